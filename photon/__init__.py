@@ -1,0 +1,11 @@
+"""photon: an LLM inference engine whose GPU never waits for Python."""
+
+from __future__ import annotations
+
+from photon.config import EngineArgs
+from photon.llm import LLM
+from photon.outputs import CompletionOutput, RequestOutput
+from photon.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs"]
+__version__ = "0.1.0"

@@ -1,0 +1,94 @@
+"""Attention backend interface, per-step metadata and the backend registry.
+
+KV cache layout (one tensor per layer, allocated by the model runner):
+    kv_cache[layer]: [2, num_blocks, block_size, num_kv_heads, head_dim]; [0] = K, [1] = V.
+A token's cache slot is `block_id * block_size + offset`; `slot_mapping` gives it for every token of
+the step. A backend first writes the step's K/V into the cache at `slot_mapping`, then attends each
+query token to every cached position of its sequence up to and including its own (causal).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout. Sequences are laid out back to back in token order.
+
+    Device tensors are what kernels read. The `*_host` mirrors carry the same values as Python ints
+    so that host-side code never reads a device tensor (that would be a hidden sync).
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step (cached + new)
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
+    seq_lens_host: list[int]
+    query_lens_host: list[int]
+    decode_only: bool  # every sequence has exactly one query token
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host, default=0)
+
+
+@dataclass
+class ForwardContext:
+    """What the model's attention layers need for one forward; passed down explicitly."""
+
+    metadata: AttentionMetadata
+    kv_caches: list[torch.Tensor]
+    backend: AttentionBackend
+
+
+class AttentionBackend(ABC):
+    name: str = ""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write k/v into kv_cache at metadata.slot_mapping, then attend causally over the pages."""
+
+    def supports(self, device: torch.device) -> bool:
+        return True
+
+
+# name -> "module:Class"; imported lazily so optional backends cost nothing when unused.
+_BACKENDS: dict[str, str] = {
+    "torch": "photon.attention.torch_ref:TorchReferenceBackend",
+}
+
+
+def register_backend(name: str, target: str) -> None:
+    _BACKENDS[name] = target
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def create_backend(name: str, device: str) -> AttentionBackend:
+    if name == "auto":
+        name = "torch"
+    if name not in _BACKENDS:
+        raise ValueError(
+            f"unknown attention_backend {name!r}; available: auto, {', '.join(available_backends())}")
+    module_name, cls_name = _BACKENDS[name].split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls()

@@ -1,0 +1,235 @@
+"""Frozen, validated configuration.
+
+`EngineArgs` is what users write (vLLM's names, flat); `EngineArgs.create_config()` validates it once
+and returns the frozen `EngineConfig` that every component reads. Nothing mutates a config after that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake (bad engine arg, missing model file...)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # local directory of a Hugging Face model
+    hf_config: dict[str, Any]
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    vocab_size: int
+    seed: int
+    served_model_name: str
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config["num_hidden_layers"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None
+    num_gpu_blocks_override: int | None
+    enable_prefix_caching: bool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: str
+    pipelined: bool
+    enforce_eager: bool
+    attention_backend: str
+
+    @property
+    def pipeline_depth(self) -> int:
+        return 2 if self.pipelined else 1
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass
+class EngineArgs:
+    """Engine arguments, named as in vLLM. Every field is also a CLI flag (`--max-model-len`)."""
+
+    model: str | None = field(default=None, metadata=_help(
+        "Local Hugging Face model directory. Default: the built-in photon-tiny (random weights)."))
+    dtype: str = field(default="auto", metadata=_help(
+        "Weights/activations dtype: auto, float32, bfloat16, float16. auto = float32 on CPU, "
+        "the checkpoint's dtype (bf16 if float32) on CUDA."))
+    max_model_len: int | None = field(default=None, metadata=_help(
+        "Longest prompt + output in tokens. Default: the model's max_position_embeddings."))
+    max_num_seqs: int = field(default=256, metadata=_help("Most requests in one step."))
+    max_num_batched_tokens: int = field(default=8192, metadata=_help(
+        "Most tokens (prefill + decode) in one step; long prompts are chunked to fit."))
+    block_size: int = field(default=16, metadata=_help("Tokens per KV-cache block."))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_help(
+        "Fraction of GPU memory the engine may use (weights + activations + KV cache)."))
+    kv_cache_memory_bytes: int | None = field(default=None, metadata=_help(
+        "KV cache size in bytes (CPU default: 1 GiB; on CUDA overrides gpu_memory_utilization)."))
+    num_gpu_blocks_override: int | None = field(default=None, metadata=_help(
+        "Force the number of KV blocks (testing preemption)."))
+    enable_prefix_caching: bool = field(default=True, metadata=_help(
+        "Reuse KV blocks of shared prompt prefixes."))
+    seed: int = field(default=0, metadata=_help("Seed for unseeded requests and weights init."))
+    device: str = field(default="auto", metadata=_help("cuda, cpu or auto."))
+    pipelined: bool = field(default=True, metadata=_help(
+        "Pipelined decoding (launch t+1 before committing t). --no-pipelined = blocking loop."))
+    enforce_eager: bool = field(default=False, metadata=_help("Disable CUDA graphs."))
+    attention_backend: str = field(default="auto", metadata=_help(
+        "Attention backend by name (auto picks the best for the device)."))
+    served_model_name: str | None = field(default=None, metadata=_help(
+        "Model name reported by the API (default: the model directory's name)."))
+
+    def create_config(self) -> EngineConfig:
+        from photon.model.tiny import resolve_model_path
+
+        model_dir = resolve_model_path(self.model)
+        hf_config = load_hf_config(model_dir)
+        device = _resolve_device(self.device)
+        model_config = ModelConfig(
+            model=model_dir,
+            hf_config=hf_config,
+            architecture=_architecture(hf_config),
+            dtype=_resolve_dtype(self.dtype, hf_config, device),
+            max_model_len=_resolve_max_len(self.max_model_len, hf_config),
+            vocab_size=int(hf_config["vocab_size"]),
+            seed=self.seed,
+            served_model_name=self.served_model_name or _default_name(self.model, model_dir),
+        )
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("block_size", self.block_size)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive(name, value)
+        return EngineConfig(
+            model=model_config,
+            cache=CacheConfig(self.block_size, self.gpu_memory_utilization,
+                              self.kv_cache_memory_bytes, self.num_gpu_blocks_override,
+                              self.enable_prefix_caching),
+            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
+                                      model_config.max_model_len),
+            device=device,
+            pipelined=self.pipelined,
+            enforce_eager=self.enforce_eager,
+            attention_backend=self.attention_backend,
+        )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+def _default_name(model: str | None, model_dir: str) -> str:
+    from photon.model.tiny import PHOTON_TINY
+
+    return PHOTON_TINY if model in (None, PHOTON_TINY) else os.path.basename(model_dir.rstrip("/"))
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def load_hf_config(model_dir: str) -> dict[str, Any]:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"model directory {model_dir!r} has no config.json")
+    with open(path, encoding="utf-8") as f:
+        try:
+            cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+    if "text_config" in cfg and "num_hidden_layers" not in cfg:
+        cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
+    return cfg
+
+
+def _architecture(hf_config: dict[str, Any]) -> str:
+    from photon.model.registry import supported_architectures
+
+    archs = hf_config.get("architectures") or []
+    for arch in archs:
+        if arch in supported_architectures():
+            return arch
+    raise ConfigError(
+        f"unsupported architecture {archs or '(none given in config.json)'}; "
+        f"supported: {', '.join(supported_architectures())}")
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cuda", "cpu"):
+        raise ConfigError(f"device must be one of auto, cuda, cpu; got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but no CUDA device is available")
+    return device
+
+
+def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> torch.dtype:
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+        return _DTYPES[dtype]
+    if device == "cpu":
+        return torch.float32
+    ckpt = _DTYPES.get(str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"))
+    return torch.bfloat16 if ckpt in (None, torch.float32) else ckpt
+
+
+def _resolve_max_len(max_model_len: int | None, hf_config: dict[str, Any]) -> int:
+    limit = int(hf_config.get("max_position_embeddings") or 2048)
+    if max_model_len is None:
+        return limit
+    _positive("max_model_len", max_model_len)
+    if max_model_len > limit:
+        raise ConfigError(
+            f"max_model_len={max_model_len} is larger than the model's "
+            f"max_position_embeddings={limit}")
+    return max_model_len

@@ -1,0 +1,135 @@
+"""EngineCore: owns the tokenizer, scheduler, KV manager, model runner and pipeline.
+
+add_request() validates at the edge (clear ValueErrors), step() runs one pipeline iteration and
+returns outputs for the requests that changed, abort() finalizes through the same zombie path as a
+stop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Sequence
+
+from photon.config import EngineConfig
+from photon.engine.detokenizer import IncrementalDetokenizer
+from photon.engine.kv_cache import KVCacheManager
+from photon.engine.pipeline import Pipeline
+from photon.engine.request import Request
+from photon.engine.scheduler import Scheduler
+from photon.outputs import CompletionOutput, RequestOutput
+from photon.sampling_params import SamplingParams
+from photon.tokenizer import Tokenizer
+from photon.worker.model_runner import ModelRunner
+from photon.worker.sampler import derive_key
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer.from_pretrained(config.model.model)
+        self.runner = ModelRunner(config)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.release)
+        self.pipeline = Pipeline(self.scheduler, self.runner, config.pipeline_depth)
+        self._rng = random.Random(config.model.seed)
+        self._ids = itertools.count()
+        self.parents: dict[str, list[Request]] = {}  # request id -> its n children
+        self._aborted: list[str] = []  # reported by the next step()
+
+    # ---- edge validation ----------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.config.model.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return None, ids
+
+    def _max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
+        max_len = self.config.model.max_model_len
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        if num_prompt >= max_len:
+            raise ValueError(f"prompt is {num_prompt} tokens long, but max_model_len is {max_len} "
+                             f"(prompt plus at least one output token must fit)")
+        room = max_len - num_prompt
+        limit = room if params.max_tokens is None else min(params.max_tokens, room)
+        need = math.ceil((num_prompt + limit) / self.config.cache.block_size)
+        if need > self.kv.num_blocks - 1:
+            raise ValueError(f"request needs {need} KV blocks (prompt {num_prompt} + up to "
+                             f"{limit} output tokens) but the KV cache has {self.kv.num_blocks - 1}")
+        return limit
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        params.validate_token_ids(self.config.model.vocab_size)
+        text, ids = self.tokenize_prompt(prompt)
+        max_tokens = self._max_tokens(len(ids), params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}-{i}"
+            req = Request(child_id, list(ids), params, self.tokenizer.eos_token_ids,
+                          derive_key(seed, i), max_tokens, prompt=text,
+                          parent_id=request_id, index=i)
+            if params.detokenize or params.stop:
+                req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
+            children.append(req)
+            self.scheduler.add(req)
+        self.parents[request_id] = children
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        children = self.parents.get(request_id, [])
+        for req in children:
+            self.scheduler.abort(req.request_id)
+        if children:
+            self._aborted.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or not self.pipeline.idle
+
+    def step(self) -> list[RequestOutput]:
+        touched = self.pipeline.step() if self.scheduler.has_unfinished() or not self.pipeline.idle \
+            else []
+        parent_ids = dict.fromkeys([*self._aborted, *(r.parent_id for r in touched)])
+        self._aborted.clear()
+        outputs = [self.make_output(pid) for pid in parent_ids if pid in self.parents]
+        for out in outputs:
+            if out.finished:
+                del self.parents[out.request_id]
+        return outputs
+
+    def make_output(self, parent_id: str) -> RequestOutput:
+        children = self.parents[parent_id]
+        first = children[0]
+        outs = [CompletionOutput(
+            index=r.index,
+            text=r.detokenizer.output_text if r.detokenizer else "",
+            token_ids=list(r.output_token_ids),
+            cumulative_logprob=r.cumulative_logprob if r.params.logprobs is not None else None,
+            logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+            finish_reason=r.finish_reason.value if r.finish_reason else None,
+            stop_reason=r.stop_reason,
+        ) for r in children]
+        return RequestOutput(parent_id, first.prompt, list(first.prompt_token_ids), outs,
+                             finished=all(r.finalized for r in children))
+
+    # ---- drain checks -------------------------------------------------------------------------
+    def assert_drained(self) -> None:
+        """Invariant after a drain: no request alive, every KV block unreferenced, no pool row."""
+        assert not self.scheduler.has_unfinished(), "requests still running or waiting"
+        assert self.pipeline.idle, "a step is still in flight"
+        assert self.scheduler.num_unreleased == 0, "finalized requests not yet released"
+        assert self.kv.num_used_blocks == 0, f"{self.kv.num_used_blocks} KV blocks still held"
+        assert len(self.runner.free_pool_rows) == len(self.runner.pool_valid), "pool rows leaked"
+        self.kv.check_invariants()

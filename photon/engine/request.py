@@ -1,0 +1,95 @@
+"""Request: the scheduler-owned state of one sequence.
+
+Token accounting under pipelining (see docs/architecture.md):
+- `all_token_ids` holds committed tokens only (prompt + outputs the host has seen).
+- `num_pending` counts tokens sampled on the device but not yet committed (0 or 1 at depth 2).
+- `num_computed_tokens` counts positions whose K/V write is planned/enqueued; it is advanced at plan
+  time, so stream order guarantees any later step reads those K/V.
+- The request's known length is `len(all_token_ids) + num_pending`; a decode row's input is the
+  last of those, read from the device token pool.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from photon.engine.detokenizer import IncrementalDetokenizer
+    from photon.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    random_key: int  # counter-based RNG key: same key + same output index = same noise
+    max_tokens: int  # resolved: never past max_model_len
+    arrival_time: float = field(default_factory=time.monotonic)
+    prompt: str | None = None
+    parent_id: str | None = None  # set for the children of an n > 1 request
+    index: int = 0  # which of the parent's n samples this is
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_pending: int = 0
+    inflight_refs: int = 0
+    finalized: bool = False  # output is final and reported; resources wait for inflight_refs == 0
+    released: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    pool_row: int | None = None  # row of the device token pool (owned by the model runner)
+    num_preemptions: int = 0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    detokenizer: IncrementalDetokenizer | None = None
+    first_token_time: float | None = None
+    scheduled_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_committed_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Committed plus sampled-but-uncommitted tokens."""
+        return self.num_committed_tokens + self.num_pending
+
+    @property
+    def num_planned_outputs(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def done_planning(self) -> bool:
+        """Every output this request can produce is already sampled (max_tokens known in advance)."""
+        return self.num_planned_outputs >= self.max_tokens
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]

@@ -1,0 +1,215 @@
+"""Scheduler: owns the request queues and every request counter.
+
+plan() builds the next step's batch assuming every running request continues (its newest token may
+still be on the device: a placeholder the model runner reads from the token pool). commit() applies
+one step's sampled tokens: appends them, runs stop checks, finalizes finished requests, and drops
+the step's in-flight references, releasing resources of finalized requests that reach zero.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from photon.config import SchedulerConfig
+from photon.engine.kv_cache import KVCacheManager
+from photon.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledRow:
+    request: Request
+    start: int  # first position computed this step
+    num_tokens: int
+    sample: bool  # the row reaches the request's known length: sample its next token
+    out_index: int  # output index of the sampled token (seeds the counter-based RNG)
+    block_ids: list[int]  # the request's blocks (read-only view owned by the KV manager)
+
+    @property
+    def seq_len(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    rows: list[ScheduledRow] = field(default_factory=list)
+    num_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.rows
+
+
+@dataclass
+class CommittedToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 on_release: Callable[[Request], None]) -> None:
+        self.config = config
+        self.kv = kv
+        self.on_release = on_release  # frees what the model runner holds (token-pool row)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every request not yet released
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None or req.finalized:
+            return None
+        self.finalize(req, FinishReason.ABORT)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unreleased(self) -> int:
+        return len(self.requests)
+
+    # ---- plan ---------------------------------------------------------------------------------
+    def plan(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is RequestStatus.RUNNING and not req.done_planning:
+                budget -= self._plan_running(req, budget, out)
+        self._admit_waiting(budget, out)
+        return out
+
+    def _plan_running(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        num_new = min(req.num_known_tokens - req.num_computed_tokens, budget)
+        if num_new <= 0:
+            return 0
+        while not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):
+            victim = self._pick_victim(req)
+            self.preempt(victim)
+            if victim is req or not victim.released:
+                return 0  # blocks come back once the victim's in-flight step commits
+        self._add_row(req, num_new, out)
+        return num_new
+
+    def _pick_victim(self, req: Request) -> Request:
+        """Lowest priority running request (latest arrival), else the request itself."""
+        for cand in reversed(self.running):
+            if cand is not req and cand.status is RequestStatus.RUNNING:
+                return cand
+        return req
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.inflight_refs > 0:
+                break  # a preempted request whose last step is still in flight (FCFS: wait)
+            prefix = self.kv.match_prefix(req.all_token_ids)
+            num_new = min(req.num_known_tokens - prefix.num_tokens, budget)
+            if not self.kv.allocate(req.request_id, prefix.num_tokens + num_new, prefix):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.released = False
+            req.num_computed_tokens = prefix.num_tokens
+            self.running.append(req)
+            self._add_row(req, num_new, out)
+            budget -= num_new
+
+    def _add_row(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
+        start = req.num_computed_tokens
+        sample = start + num_new == req.num_known_tokens
+        out.rows.append(ScheduledRow(req, start, num_new, sample, req.num_planned_outputs,
+                                    self.kv.block_ids(req.request_id)))
+        out.num_tokens += num_new
+        req.num_computed_tokens += num_new
+        req.num_pending += int(sample)
+        req.inflight_refs += 1  # the launch reference, dropped by commit()
+
+    def preempt(self, req: Request) -> None:
+        """Recompute-style preemption: drop the KV (once nothing in flight reads it), requeue."""
+        self.running.remove(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self._maybe_release(req)
+
+    # ---- commit -------------------------------------------------------------------------------
+    def commit(self, rows: list[ScheduledRow], tokens: list[CommittedToken | None]) -> list[Request]:
+        """Apply one step's results; return the requests that got a token or were finalized."""
+        touched: list[Request] = []
+        for row, tok in zip(rows, tokens):
+            req = row.request
+            if row.sample:
+                req.num_pending -= 1
+                if not req.finalized and tok is not None:
+                    self._append(req, tok)
+                    touched.append(req)
+            req.inflight_refs -= 1
+            if req.status is not RequestStatus.PREEMPTED and not req.finalized:
+                self.kv.cache_blocks(req.request_id, req.all_token_ids,
+                                     min(req.num_computed_tokens, req.num_committed_tokens))
+            self._maybe_release(req)
+        return touched
+
+    def _append(self, req: Request, tok: CommittedToken) -> None:
+        req.output_token_ids.append(tok.token_id)
+        if tok.logprob is not None:
+            req.cumulative_logprob += tok.logprob
+            entry = dict(tok.top_logprobs or {})
+            entry[tok.token_id] = tok.logprob
+            req.logprobs.append(entry)
+        stop_str = req.detokenizer.update(tok.token_id) if req.detokenizer else None
+        reason = self._check_stop(req, tok.token_id, stop_str)
+        if reason is not None:
+            self.finalize(req, reason)
+
+    def _check_stop(self, req: Request, token_id: int, stop_str: str | None) -> FinishReason | None:
+        num_out = len(req.output_token_ids)
+        if num_out >= req.params.min_tokens:
+            if not req.params.ignore_eos and token_id in req.eos_token_ids:
+                return FinishReason.STOP
+            if token_id in req.params.stop_token_ids:
+                req.stop_reason = token_id
+                return FinishReason.STOP
+            if stop_str is not None:
+                req.stop_reason = stop_str
+                return FinishReason.STOP
+        if num_out >= req.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def finalize(self, req: Request, reason: FinishReason) -> None:
+        """The request's output is final now; its rows still in flight become zombies."""
+        req.finalized = True
+        req.finish_reason = reason
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        self._maybe_release(req)
+
+    def _maybe_release(self, req: Request) -> None:
+        """Invariant: KV blocks and the pool row are released only when nothing in flight reads them."""
+        if req.inflight_refs > 0 or req.released:
+            return
+        if req.status not in (RequestStatus.PREEMPTED, RequestStatus.FINISHED):
+            return
+        self.kv.free(req.request_id)
+        self.on_release(req)
+        req.released = True
+        if req.finalized:
+            self.requests.pop(req.request_id, None)

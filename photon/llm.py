@@ -1,0 +1,91 @@
+"""Offline batch API: `LLM(model, **engine_args).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from photon.config import EngineArgs
+from photon.engine.engine_core import EngineCore
+from photon.outputs import RequestOutput
+from photon.sampling_params import SamplingParams
+
+PromptType = str | Sequence[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        unknown = set(engine_args) - set(EngineArgs.field_names())
+        if unknown:
+            raise TypeError(f"unknown engine arguments {sorted(unknown)}; "
+                            f"valid: {', '.join(EngineArgs.field_names())}")
+        self.engine_args = EngineArgs(model=model, **engine_args)
+        self.config = self.engine_args.create_config()
+        self.engine = EngineCore(self.config)
+
+    def get_tokenizer(self):  # noqa: ANN201 - photon.tokenizer.Tokenizer
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p))
+        except ValueError:
+            for rid in ids:  # all or nothing: a bad prompt leaves no half-submitted batch
+                self.engine.abort(rid)
+            self._drain()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    for p in prompts:
+        if not isinstance(p, str) and not (isinstance(p, (list, tuple))
+                                           and all(isinstance(t, int) for t in p)):
+            raise ValueError(f"each prompt must be a string or a list of token ids, got {p!r:.80}")
+    return prompts
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None,
+                    n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; give one or one each")
+    return params

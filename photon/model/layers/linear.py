@@ -1,0 +1,156 @@
+"""Linear layers laid out for tensor parallelism (tp_size is 1 for now).
+
+Every parameter carries `weight_loader(param, loaded[, shard_id])` that copies a full (unsharded)
+checkpoint tensor into this rank's slice of the parameter. Parameters are created with
+torch.empty under the caller's default device/dtype; the checkpoint fills them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def tp_rank_and_size() -> tuple[int, int]:
+    """This process's tensor-parallel rank and world size. Single-GPU until TP lands."""
+    return 0, 1
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Copy a whole tensor; shape mismatches raise ValueError (the caller adds the name)."""
+    if param.shape != loaded.shape:
+        raise ValueError(
+            f"shape mismatch: checkpoint has {tuple(loaded.shape)}, "
+            f"parameter expects {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def copy_into(dest: torch.Tensor, src: torch.Tensor) -> None:
+    if dest.shape != src.shape:
+        raise ValueError(
+            f"shape mismatch: checkpoint slice has {tuple(src.shape)}, "
+            f"parameter slice expects {tuple(dest.shape)}")
+    dest.copy_(src)
+
+
+def new_param(*shape: int, loader: Callable[..., None]) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what}={n} is not divisible by tensor-parallel size {d}")
+    return n // d
+
+
+class ReplicatedLinear(nn.Module):
+    """Full weight on every rank."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = new_param(output_size, input_size, loader=default_weight_loader)
+        self.bias = new_param(output_size, loader=default_weight_loader) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output dim split across ranks; each rank returns its slice (no gather)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.output_size_per_partition = _divide(output_size, self.tp_size, "output_size")
+        self.weight = new_param(self.output_size_per_partition, input_size,
+                                 loader=self.weight_loader)
+        self.bias = (new_param(self.output_size_per_partition, loader=self.weight_loader)
+                     if bias else None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[0]
+        copy_into(param.data, loaded.narrow(0, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stacked in one matrix (e.g. gate_up: shard 0 gate, 1 up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,  # type: ignore[override]
+                      shard_id: int) -> None:
+        sizes = [_divide(s, self.tp_size, "output_size") for s in self.output_sizes]
+        offset, size = sum(sizes[:shard_id]), sizes[shard_id]
+        copy_into(param.data.narrow(0, offset, size),
+                   loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections packed as [q | k | v] along the output dim (per rank)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False) -> None:
+        _, tp_size = tp_rank_and_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp_size, "num_heads")
+        # KV heads are replicated when there are fewer of them than ranks.
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.kv_replicas = max(1, tp_size // num_kv_heads)
+        total = (num_heads + 2 * self.num_kv_heads * tp_size) * head_dim
+        super().__init__(hidden_size, total, bias)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,  # type: ignore[override]
+                      shard_id: str) -> None:
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
+        else:
+            raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        copy_into(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v
+
+
+class RowParallelLinear(nn.Module):
+    """Input dim split across ranks; partial outputs are summed (all-reduce when tp_size > 1)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.input_size_per_partition = _divide(input_size, self.tp_size, "input_size")
+        self.weight = new_param(output_size, self.input_size_per_partition,
+                                 loader=self.weight_loader)
+        # The bias is not split; only rank 0 adds it so the all-reduce counts it once.
+        self.bias = new_param(output_size, loader=default_weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[1]
+        copy_into(param.data, loaded.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(out)
+        return out

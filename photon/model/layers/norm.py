@@ -1,0 +1,32 @@
+"""RMSNorm with optional fused residual add (HF semantics)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from photon.model.layers.linear import default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Like HF: normalize in float32, cast back to the input dtype, then scale by the weight.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self._norm(x)
+        # The add happens in the activation dtype, as in HF's decoder layer.
+        residual = x + residual
+        return self._norm(residual), residual

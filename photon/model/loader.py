@@ -1,0 +1,65 @@
+"""Build a model from the registry and stream its safetensors checkpoint into it.
+
+Only safetensors are read (no torch.load / pickle: loading a pickle can execute code).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from photon.config import ConfigError, ModelConfig
+from photon.model.registry import get_model_class
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    """The safetensors files to read: the index's shards if there is an index, else all."""
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f).get("weight_map", {})
+        files = [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+        for path in files:
+            if not os.path.isfile(path):
+                raise ConfigError(f"{index_path} names shard {os.path.basename(path)!r}, "
+                                  f"which is missing from {model_dir}")
+        return files
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ConfigError(
+            f"model directory {model_dir!r} has no *.safetensors files; photon only loads "
+            "safetensors checkpoints (.bin/.pt pickle checkpoints are not loaded; convert them)")
+    return files
+
+
+def iter_weights(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor, one at a time; floating tensors are cast to dtype."""
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                yield name, tensor
+
+
+def load_model(model_config: ModelConfig, device: str) -> nn.Module:
+    cls = get_model_class(model_config.architecture)
+    torch_device = torch.device(device)
+    with torch_device:
+        model = cls(model_config.hf_config, model_config.dtype, torch_device)
+    files = checkpoint_files(model_config.model)
+    loaded = model.load_weights(iter_weights(files, model_config.dtype))
+    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    if missing:
+        shown = ", ".join(missing[:10]) + (f" ... ({len(missing)} in all)" if len(missing) > 10 else "")
+        raise ConfigError(f"checkpoint in {model_config.model!r} is missing weights: {shown}")
+    model.eval()
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,209 @@
+"""ModelRunner: owns every device tensor, stream and event.
+
+launch(plan)  -> stage the step's inputs into the free slot and enqueue the forward (returns a handle)
+finalize(h)   -> sample on the compute stream, write tokens into the device token pool, enqueue D2H
+wait(h)       -> the commit's host sync; returns the sampled tokens as Python values
+
+The device token pool `[rows, max_model_len + 1]` holds every known token of every live request.
+The sampler writes token t there, and forward t+1 reads its decode inputs from it, so a sampled token
+never has to reach the host before the next forward is launched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from photon.attention.backend import AttentionMetadata, ForwardContext, create_backend
+from photon.config import EngineConfig
+from photon.engine.request import Request
+from photon.engine.scheduler import CommittedToken, ScheduledRow, SchedulerOutput
+from photon.model.loader import load_model
+from photon.worker.inputs import StepArrays, build_step_arrays
+from photon.worker.sampler import Sampler, SamplingBatch
+from photon.worker.slots import StepSlot, Streams
+
+MAX_LOGPROBS = 20
+_INT_FIELDS = ("positions", "pool_idx", "slot_mapping", "write_idx", "write_ids", "seq_lens",
+               "query_start_loc", "block_tables", "logits_indices", "top_k", "keys", "counters",
+               "pool_rows", "prompt_lens", "s_seq_lens", "sample_pool_idx", "ban_rows",
+               "ban_tokens")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass
+class StepHandle:
+    slot: StepSlot
+    rows: list[ScheduledRow]
+    arrays: StepArrays
+    dev: dict[str, torch.Tensor]
+    logits: torch.Tensor | None
+    num_sampled: int = 0
+    max_logprobs: int = -1
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.model.dtype
+        self.block_size = config.cache.block_size
+        torch.manual_seed(config.model.seed)
+        self.model = load_model(config.model, config.device)
+        self.backend = create_backend(config.attention_backend, config.device)
+        self.num_blocks = self._num_blocks()
+        mc = config.model
+        shape = (2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(mc.num_layers)]
+        max_seqs = config.scheduler.max_num_seqs
+        # Finalized (zombie) and preempted requests keep their row for at most one more step.
+        num_pool_rows = 2 * max_seqs + 1
+        self.pool_width = config.scheduler.max_model_len + 1
+        self.token_pool = torch.zeros(num_pool_rows, self.pool_width, dtype=torch.int32,
+                                      device=self.device)
+        self.pool_valid = [0] * num_pool_rows
+        self.free_pool_rows = list(range(num_pool_rows - 1, -1, -1))
+        self.streams = Streams(self.device)
+        tokens = config.scheduler.max_num_batched_tokens
+        self.slots = [StepSlot(i, self.device, max_seqs, MAX_LOGPROBS, 8 * tokens + 16 * max_seqs,
+                               8 * max_seqs) for i in range(2)]
+        self.sampler = Sampler()
+        self.step_count = 0
+
+    # ---- sizing -------------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        mc = self.config.model
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override + 1  # + the reserved null block 0
+        if cache.kv_cache_memory_bytes is not None:
+            budget = cache.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        sched = self.config.scheduler
+        useful = sched.max_num_seqs * math.ceil(sched.max_model_len / self.block_size) + 1
+        num = min(budget // self.kv_bytes_per_block(), useful)
+        if num < 2:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block "
+                             f"({self.kv_bytes_per_block()} bytes each); raise it")
+        return int(num)
+
+    def _cuda_kv_budget(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        # Activation headroom: logits of a full batch (fp32, a few copies in the sampler) plus the
+        # hidden states of a full token budget, with margin.
+        sched, mc = self.config.scheduler, self.config.model
+        act = 6 * sched.max_num_seqs * mc.vocab_size * 4
+        act += 24 * sched.max_num_batched_tokens * int(mc.hf_config["hidden_size"]) * 4
+        budget = int(total * self.config.cache.gpu_memory_utilization) - used_by_others
+        budget -= torch.cuda.memory_allocated(self.device) + act + (1 << 30)
+        return max(budget, 0)
+
+    # ---- token pool rows (released through the scheduler's release path) ----------------------
+    def _assign_pool_rows(self, rows: list[ScheduledRow]) -> None:
+        for row in rows:
+            req = row.request
+            if req.pool_row is None:
+                req.pool_row = self.free_pool_rows.pop()
+                self.pool_valid[req.pool_row] = 0
+
+    def release(self, req: Request) -> None:
+        if req.pool_row is not None:
+            self.free_pool_rows.append(req.pool_row)
+            req.pool_row = None
+
+    # ---- launch -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerOutput) -> StepHandle:
+        slot = self.slots[self.step_count % 2]
+        self.step_count += 1
+        self._assign_pool_rows(plan.rows)
+        arrays = build_step_arrays(plan.rows, self.block_size, self.pool_width, self.pool_valid)
+        ints, floats = slot.stage([arrays.ints[k] for k in _INT_FIELDS],
+                                  [arrays.floats[k] for k in _FLOAT_FIELDS])
+        dev = dict(zip(_INT_FIELDS, ints)) | dict(zip(_FLOAT_FIELDS, floats))
+        slot.upload(self.streams)
+        flat_pool = self.token_pool.view(-1)
+        if arrays.ints["write_idx"].size:
+            flat_pool[dev["write_idx"]] = dev["write_ids"].to(torch.int32)
+        input_ids = flat_pool[dev["pool_idx"]].long()
+        meta = AttentionMetadata(
+            slot_mapping=dev["slot_mapping"],
+            block_tables=dev["block_tables"].view(len(plan.rows), -1).to(torch.int32),
+            seq_lens=dev["seq_lens"].to(torch.int32),
+            query_start_loc=dev["query_start_loc"].to(torch.int32),
+            seq_lens_host=arrays.seq_lens_host,
+            query_lens_host=arrays.query_lens_host,
+            decode_only=arrays.decode_only,
+        )
+        ctx = ForwardContext(meta, self.kv_caches, self.backend)
+        hidden = self.model(input_ids, dev["positions"], ctx)
+        logits = None
+        if arrays.sample_rows:
+            logits = self.model.compute_logits(hidden[dev["logits_indices"]])
+        return StepHandle(slot, plan.rows, arrays, dev, logits, len(arrays.sample_rows),
+                          int(arrays.flags["max_logprobs"]))
+
+    # ---- finalize -----------------------------------------------------------------------------
+    def _sampling_batch(self, h: StepHandle) -> SamplingBatch:
+        d, f = h.dev, h.arrays.flags
+        return SamplingBatch(
+            temperature=d["temperature"], top_k=d["top_k"].to(torch.int32), top_p=d["top_p"],
+            min_p=d["min_p"], keys=d["keys"], counters=d["counters"],
+            presence_penalty=d["presence"], frequency_penalty=d["frequency"],
+            repetition_penalty=d["repetition"], ban_rows=d["ban_rows"], ban_tokens=d["ban_tokens"],
+            token_pool=self.token_pool if f["any_penalties"] else None,
+            pool_rows=d["pool_rows"], prompt_lens=d["prompt_lens"], seq_lens=d["s_seq_lens"],
+            all_greedy=bool(f["all_greedy"]), any_top_k=bool(f["any_top_k"]),
+            any_top_p=bool(f["any_top_p"]), any_min_p=bool(f["any_min_p"]),
+            any_penalties=bool(f["any_penalties"]), max_logprobs=int(f["max_logprobs"]),
+        )
+
+    @torch.inference_mode()
+    def finalize(self, h: StepHandle) -> None:
+        """Sample step t+1 with the state committed at t; write tokens where forward t+2 reads."""
+        if h.logits is None:
+            return
+        out = self.sampler(h.logits, self._sampling_batch(h))
+        k = h.max_logprobs
+        views = h.slot.output_views(h.num_sampled, max(k, 0))
+        views.tokens.copy_(out.token_ids)
+        if k >= 0:
+            views.logprob.copy_(out.logprobs)
+            if k > 0:
+                views.topk_ids.copy_(out.topk_ids)
+                views.topk_lp.copy_(out.topk_logprobs)
+        self.token_pool.view(-1)[h.dev["sample_pool_idx"]] = out.token_ids.to(torch.int32)
+        h.slot.download(self.streams, h.num_sampled, k)
+
+    # ---- commit's wait -----------------------------------------------------------------------
+    def wait(self, h: StepHandle) -> list[CommittedToken | None]:
+        result: list[CommittedToken | None] = [None] * len(h.rows)
+        if h.logits is None:
+            return result
+        h.slot.wait()
+        n, k = h.num_sampled, h.max_logprobs
+        tokens = h.slot.out_i_host[:n].tolist()
+        lps = h.slot.out_f_host[:n].tolist() if k >= 0 else None
+        top_ids = h.slot.out_i_host[n:n + n * k].view(n, k).tolist() if k > 0 else None
+        top_lps = h.slot.out_f_host[n:n + n * k].view(n, k).tolist() if k > 0 else None
+        for j, i in enumerate(h.arrays.sample_rows):
+            tok = CommittedToken(tokens[j])
+            want = h.rows[i].request.params.logprobs
+            if lps is not None and want is not None:
+                tok.logprob = lps[j]
+                if want > 0 and top_ids is not None:
+                    tok.top_logprobs = dict(zip(top_ids[j][:want], top_lps[j][:want]))
+            result[i] = tok
+        return result

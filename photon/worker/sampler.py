@@ -1,0 +1,239 @@
+"""Device-side sampler: penalties, bans, greedy, temperature/min_p/top_k/top_p, Gumbel-max.
+
+Invariant: nothing in this module synchronises the host with the device. No `.item()`,
+`.tolist()`, `.cpu()`, `nonzero()`, boolean-mask indexing or Python branching on tensor
+values; every decision that depends on the batch comes in as a plain Python flag on
+`SamplingBatch`. Every tensor shape is a function of (R, V, L, M, max_logprobs) only.
+
+Random sampling uses counter-based noise: the Gumbel noise for (row, token) is a pure
+function of (key, counter, token id), so a seeded request draws the same tokens whatever
+the batch composition, row order or pipelining, without a torch.Generator per request.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+GREEDY_EPS = 1e-5  # rows with temperature below this are greedy (matches SamplingParams.greedy)
+
+_M32 = 0xFFFFFFFF
+_M64 = 0xFFFFFFFFFFFFFFFF
+# Hash multipliers are odd and < 2**31: a 32-bit value times one is < 2**63, so the int64
+# product never overflows and CPU and CUDA produce identical bits.
+_MUL_A = 0x21F0AAAD
+_MUL_B = 0x735A2D97
+_ROW_SALT = 0x5BD1E995  # separates the key's high word from the low word
+_CTR_SALT = 0x1B873593  # separates the counter from the key
+_VOCAB_SALT = 0x68E31DA4  # separates token ids from row seeds
+
+
+@dataclass
+class SamplingBatch:
+    """One row per sequence sampled this step; all tensors live on the logits' device."""
+
+    temperature: Tensor  # [R] float32; < GREEDY_EPS means greedy
+    top_k: Tensor  # [R] int32; 0 = off
+    top_p: Tensor  # [R] float32; 1.0 = off
+    min_p: Tensor  # [R] float32; 0.0 = off
+    keys: Tensor  # [R] int64 per-request random key (derive_key)
+    counters: Tensor  # [R] int64 output index of the token being sampled
+    presence_penalty: Tensor  # [R] float32
+    frequency_penalty: Tensor  # [R] float32
+    repetition_penalty: Tensor  # [R] float32
+    ban_rows: Tensor  # [M] int64 \ (row, token) pairs forced to -inf
+    ban_tokens: Tensor  # [M] int64 /
+    # token_pool[pool_rows[r], :seq_lens[r]] are row r's known tokens; those at positions
+    # >= prompt_lens[r] are output tokens.
+    token_pool: Tensor | None  # [P, L] int32; None when no row has penalties
+    pool_rows: Tensor  # [R] int64
+    prompt_lens: Tensor  # [R] int64
+    seq_lens: Tensor  # [R] int64
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalties: bool
+    max_logprobs: int  # -1: no row wants logprobs
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: Tensor  # [R] int64
+    logprobs: Tensor | None  # [R] float32, raw-distribution logprob of the sampled token
+    topk_ids: Tensor | None  # [R, max_logprobs] int64
+    topk_logprobs: Tensor | None  # [R, max_logprobs] float32
+
+
+# ----------------------------------------------------------------------------- keys / noise
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def derive_key(seed: int, child_index: int = 0) -> int:
+    """Host helper: a 62-bit non-negative key from a (possibly negative) seed and child index.
+
+    Children of an n>1 request pass distinct child_index values and so get distinct streams.
+    """
+    h = _splitmix64(seed & _M64)
+    h = _splitmix64(h ^ (child_index & _M64))
+    return h >> 2
+
+
+def random_key() -> int:
+    """Host helper: a fresh 62-bit key for unseeded requests."""
+    return random.getrandbits(62)
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """Bijective 32-bit integer hash on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL_A) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _MUL_B) & _M32
+    return x ^ (x >> 15)
+
+
+def _mix32_(x: Tensor) -> Tensor:
+    """In-place `_mix32` for the large [R, V] tensor (saves allocations)."""
+    x.bitwise_xor_(x >> 16).mul_(_MUL_A).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 15).mul_(_MUL_B).bitwise_and_(_M32)
+    return x.bitwise_xor_(x >> 15)
+
+
+def _row_seeds(keys: Tensor, counters: Tensor) -> Tensor:
+    """[R] 32-bit seeds from the full 64 bits of key and counter (negative values included)."""
+    keys, counters = keys.long(), counters.long()
+    # `& _M32` on two's-complement int64 extracts the words exactly, even for negatives.
+    s = _mix32(((keys >> 32) & _M32) ^ _ROW_SALT)
+    s = _mix32(s ^ (keys & _M32))
+    s = _mix32(s ^ ((counters >> 32) & _M32) ^ _CTR_SALT)
+    return _mix32(s ^ (counters & _M32))
+
+
+def noise_bits(keys: Tensor, counters: Tensor, vocab_size: int) -> Tensor:
+    """[R, V] int64 in [0, 2**32): a deterministic hash of (keys[r], counters[r], v)."""
+    seeds = _row_seeds(keys, counters)
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)
+    vocab = _mix32(vocab ^ _VOCAB_SALT)
+    return _mix32_(seeds[:, None] ^ vocab[None, :])
+
+
+def gumbel_noise(keys: Tensor, counters: Tensor, vocab_size: int) -> Tensor:
+    """[R, V] float32 standard Gumbel noise, -log(-log(u)), u a hash of (key, counter, v)."""
+    bits = noise_bits(keys, counters, vocab_size)
+    # Top 24 bits + 0.5, scaled by 2**-24: exactly representable in float32, strictly in (0, 1).
+    u = (bits >> 8).to(torch.float32).add_(0.5).mul_(2.0**-24)
+    return u.log_().neg_().log_().neg_()
+
+
+# ----------------------------------------------------------------------------- processing
+
+
+def _token_counts(batch: SamplingBatch, vocab_size: int) -> tuple[Tensor, Tensor]:
+    """([R, V] output-token counts, [R, V] bool seen-anywhere) from the pool history."""
+    assert batch.token_pool is not None, "any_penalties requires token_pool"
+    hist = batch.token_pool.index_select(0, batch.pool_rows).long()  # [R, L]
+    pos = torch.arange(hist.shape[1], device=hist.device)[None, :]
+    valid = pos < batch.seq_lens[:, None]
+    is_out = valid & (pos >= batch.prompt_lens[:, None])
+    # Slots past seq_len may hold garbage ids: point them at token 0 with weight 0.
+    tok = torch.where(valid, hist, torch.zeros_like(hist))
+    shape = (hist.shape[0], vocab_size)
+    out_counts = torch.zeros(shape, dtype=torch.float32, device=hist.device)
+    out_counts.scatter_add_(1, tok, is_out.float())
+    all_counts = torch.zeros(shape, dtype=torch.float32, device=hist.device)
+    all_counts.scatter_add_(1, tok, valid.float())
+    return out_counts, all_counts > 0
+
+
+def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Repetition (prompt+output), frequency and presence (output only) penalties, out of place."""
+    out_counts, seen = _token_counts(batch, logits.shape[1])
+    rep = batch.repetition_penalty[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - batch.frequency_penalty[:, None] * out_counts
+    return logits - batch.presence_penalty[:, None] * (out_counts > 0).float()
+
+
+def apply_bans(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Set logits[ban_rows[i], ban_tokens[i]] = -inf in place (a scatter: no sync)."""
+    flat = batch.ban_rows * logits.shape[1] + batch.ban_tokens
+    logits.view(-1).scatter_(0, flat, float("-inf"))
+    return logits
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Drop tokens whose probability < min_p * max probability (min_p = 0 keeps all)."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+    """Top-k then nucleus filtering via one descending sort; the top token is always kept."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    if top_k is not None:
+        k = top_k.long()
+        k = torch.where((k <= 0) | (k > vocab), torch.full_like(k, vocab), k)
+        sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above this rank
+        # Keep the smallest prefix reaching top_p: a rank is kept while the mass above it
+        # is still < top_p. top_p >= 1 keeps everything (guards cumsum rounding past 1.0).
+        keep = (before < top_p[:, None]) | (top_p[:, None] >= 1.0) | (ranks == 0)
+        sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+
+
+def _sample_random(logits: Tensor, batch: SamplingBatch, greedy: Tensor) -> Tensor:
+    """Temperature, min_p, top_k, top_p, then Gumbel-max. Returns [R] int64."""
+    temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+    logits = logits / temp[:, None]
+    if batch.any_min_p:
+        logits = apply_min_p(logits, batch.min_p)
+    if batch.any_top_k or batch.any_top_p:
+        top_k = batch.top_k if batch.any_top_k else None
+        top_p = batch.top_p if batch.any_top_p else None
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    noise = gumbel_noise(batch.keys, batch.counters, logits.shape[1])
+    return (logits + noise).argmax(dim=-1)
+
+
+def _logprob_outputs(raw: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    sampled = raw.gather(1, token_ids[:, None]).squeeze(1)
+    top_lp, top_ids = raw.topk(k, dim=-1) if k > 0 else (raw[:, :0], raw[:, :0].long())
+    return sampled, top_ids, top_lp
+
+
+class Sampler:
+    """Stateless: `Sampler()(logits [R, V], batch) -> SamplerOutput`, all on-device."""
+
+    def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+        owned = logits.dtype != torch.float32  # .float() copies only then
+        logits = logits.float()
+        raw = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
+        if batch.any_penalties:
+            logits, owned = apply_penalties(logits, batch), True
+        if batch.ban_rows.numel() > 0:  # a shape, not a value: no sync
+            logits = apply_bans(logits if owned else logits.clone(), batch)
+        token_ids = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            greedy = batch.temperature < GREEDY_EPS
+            token_ids = torch.where(greedy, token_ids, _sample_random(logits, batch, greedy))
+        if raw is None:
+            return SamplerOutput(token_ids, None, None, None)
+        sampled, top_ids, top_lp = _logprob_outputs(raw, token_ids, batch.max_logprobs)
+        return SamplerOutput(token_ids, sampled, top_ids, top_lp)

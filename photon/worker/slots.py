@@ -1,0 +1,139 @@
+"""Ping-pong step slots and the stream/event fences of the pipeline.
+
+Each step uses slot S[t % 2]: pinned host staging buffers and device buffers at fixed addresses,
+allocated once. All per-step integers travel in one packed int64 buffer and all floats in one packed
+float32 buffer, so a launch costs two H2D copies however many fields a step has.
+
+Fences (CUDA; on CPU every copy is synchronous and every fence a no-op):
+  launch(t):    host fills S.host_*  -> copy stream: H2D S.host_* -> S.dev_*, record S.h2d_done
+                compute stream waits S.h2d_done, then runs the forward reading S.dev_*
+  finalize(t):  compute stream samples, writes tokens into the token pool and S.dev_out,
+                records S.sampled; copy stream waits S.sampled, D2H S.dev_out -> S.host_out,
+                records S.copy_done
+  commit(t):    the host waits S.copy_done: the only host sync of an iteration
+Reuse of S at t+2 is safe: commit(t) waited S.copy_done, which the copy stream recorded after the
+H2D of step t and after the compute stream's S.sampled (so forward t no longer reads S.dev_*).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+class Streams:
+    """The compute and copy streams of one device (None on CPU: everything runs in order)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.compute = torch.cuda.current_stream(device) if self.cuda else None
+        self.copy = torch.cuda.Stream(device) if self.cuda else None
+
+    def event(self) -> torch.cuda.Event | None:
+        return torch.cuda.Event() if self.cuda else None
+
+
+@dataclass
+class OutputViews:
+    tokens: torch.Tensor  # [R] int64
+    logprob: torch.Tensor  # [R] float32
+    topk_ids: torch.Tensor  # [R, K] int64
+    topk_lp: torch.Tensor  # [R, K] float32
+
+
+class PackedBuffer:
+    """A host staging buffer and its device twin; fields are packed back to back each step."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> None:
+        self.host = torch.zeros(numel, dtype=dtype, pin_memory=pin)
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros(numel, dtype=dtype, device=device) if device.type != "cpu" else None
+        self.used = 0
+
+    def grow_if_needed(self, numel: int, device: torch.device, pin: bool) -> None:
+        if numel > self.host.numel():
+            self.__init__(max(numel, 2 * self.host.numel()), self.host.dtype, device, pin)
+
+    def pack(self, arrays: list[np.ndarray]) -> list[tuple[int, int]]:
+        """Write arrays into the host buffer; return (offset, length) of each."""
+        spans, off = [], 0
+        for arr in arrays:
+            n = arr.size
+            self.host_np[off:off + n] = arr.reshape(-1)
+            spans.append((off, n))
+            off += n
+        self.used = off
+        return spans
+
+    def device_view(self) -> torch.Tensor:
+        return self.host if self.dev is None else self.dev
+
+    def copy_to_device(self) -> None:
+        if self.dev is not None and self.used:
+            self.dev[: self.used].copy_(self.host[: self.used], non_blocking=True)
+
+
+class StepSlot:
+    def __init__(self, index: int, device: torch.device, max_rows: int, max_logprobs: int,
+                 int_numel: int, float_numel: int) -> None:
+        pin = device.type == "cuda"
+        self.index = index
+        self.device = device
+        self.pin = pin
+        self.ints = PackedBuffer(int_numel, torch.int64, device, pin)
+        self.floats = PackedBuffer(float_numel, torch.float32, device, pin)
+        k = max_logprobs
+        # Output: [tokens | topk ids] as int64 and [logprob | topk logprobs] as float32.
+        self.out_i_dev = torch.zeros(max_rows * (1 + k), dtype=torch.int64, device=device)
+        self.out_f_dev = torch.zeros(max_rows * (1 + k), dtype=torch.float32, device=device)
+        self.out_i_host = torch.zeros_like(self.out_i_dev, device="cpu", pin_memory=pin)
+        self.out_f_host = torch.zeros_like(self.out_f_dev, device="cpu", pin_memory=pin)
+        self.h2d_done = torch.cuda.Event() if pin else None
+        self.sampled = torch.cuda.Event() if pin else None
+        self.copy_done = torch.cuda.Event() if pin else None
+
+    def stage(self, ints: list[np.ndarray], floats: list[np.ndarray]
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Pack host arrays; return device views (valid on the compute stream after `upload`)."""
+        self.ints.grow_if_needed(sum(a.size for a in ints), self.device, self.pin)
+        self.floats.grow_if_needed(sum(a.size for a in floats), self.device, self.pin)
+        int_spans = self.ints.pack(ints)
+        float_spans = self.floats.pack(floats)
+        iv, fv = self.ints.device_view(), self.floats.device_view()
+        return ([iv[o:o + n] for o, n in int_spans], [fv[o:o + n] for o, n in float_spans])
+
+    def upload(self, streams: Streams) -> None:
+        if streams.cuda:
+            with torch.cuda.stream(streams.copy):
+                self.ints.copy_to_device()
+                self.floats.copy_to_device()
+                self.h2d_done.record()
+            streams.compute.wait_event(self.h2d_done)
+
+    def output_views(self, rows: int, k: int) -> OutputViews:
+        return OutputViews(self.out_i_dev[:rows], self.out_f_dev[:rows],
+                           self.out_i_dev[rows:rows + rows * k].view(rows, k),
+                           self.out_f_dev[rows:rows + rows * k].view(rows, k))
+
+    def download(self, streams: Streams, rows: int, k: int) -> None:
+        """Enqueue the D2H copy of the sampled tokens (and logprobs) after sampling finished."""
+        n = rows * (1 + max(k, 0))
+        if not streams.cuda:
+            self.out_i_host[:n].copy_(self.out_i_dev[:n])
+            self.out_f_host[:n].copy_(self.out_f_dev[:n])
+            return
+        self.sampled.record(streams.compute)
+        with torch.cuda.stream(streams.copy):
+            streams.copy.wait_event(self.sampled)
+            self.out_i_host[:n].copy_(self.out_i_dev[:n], non_blocking=True)
+            if k >= 0:
+                self.out_f_host[:n].copy_(self.out_f_dev[:n], non_blocking=True)
+            self.copy_done.record()
+
+    def wait(self) -> None:
+        """commit(t)'s wait: the designated host sync of the pipeline."""
+        if self.copy_done is not None:
+            self.copy_done.synchronize()
