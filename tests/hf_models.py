@@ -71,3 +71,36 @@ def make_hf_model(path: str, arch: str, *, tied: bool = False,
     # transformers 5 always writes safetensors (the safe_serialization flag is gone).
     model.save_pretrained(path, max_shard_size=shard_size or "50GB")
     return path
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def make_engine_model(path: str, arch: str, **kwargs: object) -> str:
+    """A random HF checkpoint plus photon-tiny's byte-level tokenizer: loadable by the engine."""
+    import os
+    import shutil
+
+    from photon.model.tiny import ensure_photon_tiny
+
+    make_hf_model(path, arch, vocab_size=1024, **kwargs)
+    tiny = ensure_photon_tiny()
+    for name in TOKENIZER_FILES:
+        shutil.copy(os.path.join(tiny, name), os.path.join(path, name))
+    return path
+
+
+@torch.no_grad()
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuation by full-sequence HF forwards (no KV cache, no EOS): the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    outs = []
+    for prompt in prompts:
+        ids = list(prompt)
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+        outs.append(ids[len(prompt):])
+    return outs
