@@ -126,11 +126,13 @@ class EngineArgs:
 
         model_dir = resolve_model_path(self.model)
         hf_config = load_hf_config(model_dir)
+        architecture = _architecture(hf_config)
+        _check_required_fields(hf_config, model_dir)
         device = _resolve_device(self.device)
         model_config = ModelConfig(
             model=model_dir,
             hf_config=hf_config,
-            architecture=_architecture(hf_config),
+            architecture=architecture,
             dtype=_resolve_dtype(self.dtype, hf_config, device),
             max_model_len=_resolve_max_len(self.max_model_len, hf_config),
             vocab_size=int(hf_config["vocab_size"]),
@@ -185,9 +187,22 @@ def load_hf_config(model_dir: str) -> dict[str, Any]:
             cfg = json.load(f)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
     if "text_config" in cfg and "num_hidden_layers" not in cfg:
         cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
     return cfg
+
+
+_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+
+
+def _check_required_fields(hf_config: dict[str, Any], model_dir: str) -> None:
+    missing = [name for name in _REQUIRED_FIELDS if not isinstance(hf_config.get(name), int)]
+    if missing:
+        raise ConfigError(f"{os.path.join(model_dir, 'config.json')} lacks integer fields "
+                          f"{', '.join(missing)}")
 
 
 def _architecture(hf_config: dict[str, Any]) -> str:

@@ -96,7 +96,7 @@ class EngineCore:
             self._aborted.append(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or not self.pipeline.idle
+        return self.scheduler.has_unfinished() or not self.pipeline.idle or bool(self._aborted)
 
     def step(self) -> list[RequestOutput]:
         touched = self.pipeline.step() if self.scheduler.has_unfinished() or not self.pipeline.idle \

@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from photon.config import ConfigError, ModelConfig
@@ -41,7 +41,11 @@ def checkpoint_files(model_dir: str) -> list[str]:
 def iter_weights(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor, one at a time; floating tensors are cast to dtype."""
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
+        try:
+            f = safe_open(path, framework="pt", device="cpu")
+        except SafetensorError as e:
+            raise ConfigError(f"{path} is not a readable safetensors file: {e}") from e
+        with f:
             for name in f.keys():
                 tensor = f.get_tensor(name)
                 if tensor.is_floating_point():

@@ -1,0 +1,296 @@
+"""Every bad input gets a clear error: ValueError/ConfigError/TypeError from the Python API, and
+exit code 2 with the same message (and no traceback) from the CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from photon import LLM, SamplingParams
+from photon.cli import main
+from photon.config import ConfigError
+from photon.model.tiny import ensure_photon_tiny
+
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+VOCAB = 1024  # photon-tiny's vocab_size (tokenizer padded to a multiple of 64)
+MAX_POS = 4096  # photon-tiny's max_position_embeddings
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(max_model_len=32)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """Run `photon generate ...` in-process; return (exit code, stderr).
+
+    --max-model-len 64 keeps the CPU KV cache small (fast); a later flag in `args` overrides it.
+    """
+    code = main(["generate", "--no-progress", "--max-tokens", "2", "--max-model-len", "64", *args])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err
+
+
+def cli_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    code, err = run_cli(capsys, *args)
+    assert code == 2, err
+    assert "photon generate: error: " in err
+    return err
+
+
+def copy_tiny(tmp_path: Path) -> Path:
+    dst = tmp_path / "model"
+    shutil.copytree(ensure_photon_tiny(), dst)
+    return dst
+
+
+def edit_config(model_dir: Path, **changes: Any) -> None:
+    path = model_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+# ---- model directory --------------------------------------------------------------------------
+
+def test_missing_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ConfigError, match=re.escape(f"model directory {missing!r} does not exist")):
+        LLM(missing)
+    err = cli_error(capsys, "--model", missing, "hi")
+    assert f"model directory {missing!r} does not exist" in err
+
+
+def test_directory_without_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = copy_tiny(tmp_path)
+    (model / "config.json").unlink()
+    msg = f"model directory {str(model)!r} has no config.json"
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        LLM(str(model))
+    assert msg in cli_error(capsys, "--model", str(model), "hi")
+
+
+def test_directory_without_safetensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = copy_tiny(tmp_path)
+    (model / "model.safetensors").unlink()
+    (model / "pytorch_model.bin").write_bytes(b"not loaded")
+    msg = f"model directory {str(model)!r} has no *.safetensors files"
+    with pytest.raises(ConfigError, match=re.escape(msg)) as info:
+        LLM(str(model))
+    assert ".bin/.pt pickle checkpoints are not loaded" in str(info.value)
+    err = cli_error(capsys, "--model", str(model), "hi")
+    assert msg in err and ".bin/.pt pickle checkpoints are not loaded" in err
+
+
+def test_unsupported_architecture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = copy_tiny(tmp_path)
+    edit_config(model, architectures=["GPT2LMHeadModel"])
+    msg = f"unsupported architecture ['GPT2LMHeadModel']; supported: {', '.join(SUPPORTED)}"
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        LLM(str(model))
+    assert msg in cli_error(capsys, "--model", str(model), "hi")
+
+
+def test_config_json_not_an_object_or_missing_fields(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    model = copy_tiny(tmp_path)
+    cfg_path = model / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="must hold a JSON object, got list"):
+        LLM(str(model))
+    del cfg["vocab_size"]
+    cfg_path.write_text(json.dumps(cfg))
+    msg = f"{cfg_path} lacks integer fields vocab_size"
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        LLM(str(model))
+    assert msg in cli_error(capsys, "--model", str(model), "hi")
+
+
+def test_corrupt_safetensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = copy_tiny(tmp_path)
+    (model / "model.safetensors").write_bytes(b"garbage")
+    msg = f"{model / 'model.safetensors'} is not a readable safetensors file"
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        LLM(str(model))
+    assert msg in cli_error(capsys, "--model", str(model), "hi")
+
+
+# ---- prompts ----------------------------------------------------------------------------------
+
+def test_prompt_longer_than_max_model_len(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    msg = "prompt is 40 tokens long, but max_model_len is 32"
+    with pytest.raises(ValueError, match=msg):
+        llm.generate([7] * 40, SamplingParams(max_tokens=2), use_tqdm=False)
+    text = "hello world " * 30
+    n = len(llm.get_tokenizer().encode(text))
+    assert n > 32
+    err = cli_error(capsys, "--max-model-len", "32", text)
+    assert f"prompt is {n} tokens long, but max_model_len is 32" in err
+
+
+@pytest.mark.parametrize("bad", [-1, VOCAB, VOCAB + 5000])
+def test_prompt_token_ids_outside_vocabulary(llm: LLM, bad: int) -> None:
+    msg = re.escape(f"prompt token ids [{bad}] are outside the vocabulary [0, {VOCAB})")
+    with pytest.raises(ValueError, match=msg):
+        llm.generate([1, 2, bad, 3], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_empty_prompt(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    msg = "the prompt is empty; give at least one token"
+    with pytest.raises(ValueError, match=msg):
+        llm.generate([[]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert msg in cli_error(capsys, "")
+
+
+def test_stop_token_ids_outside_vocabulary(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match=re.escape(
+            f"stop_token_ids [{VOCAB}] are outside the vocabulary [0, {VOCAB})")):
+        llm.generate("hi", SamplingParams(stop_token_ids=[5, VOCAB]), use_tqdm=False)
+    with pytest.raises(ValueError, match=re.escape(
+            "stop_token_ids must be non-negative integers, got [-1]")):
+        SamplingParams(stop_token_ids=[-1])
+    err = cli_error(capsys, "hi", "--stop-token-ids", str(VOCAB + 1))
+    assert f"stop_token_ids [{VOCAB + 1}] are outside the vocabulary [0, {VOCAB})" in err
+    err = cli_error(capsys, "hi", "--stop-token-ids", "-1")
+    assert "stop_token_ids must be non-negative integers, got [-1]" in err
+
+
+# ---- sampling params --------------------------------------------------------------------------
+
+# (SamplingParams kwargs, the same as CLI flags, expected message)
+BAD_SAMPLING: list[tuple[dict[str, Any], list[str], str]] = [
+    ({"temperature": -1}, ["--temperature", "-1"],
+     "temperature must be a number >= 0 (0 = greedy), got -1"),
+    ({"top_p": 0}, ["--top-p", "0"], "top_p must be in (0, 1], got 0"),
+    ({"top_p": 1.5}, ["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
+    ({"top_k": -5}, ["--top-k", "-5"],
+     "top_k must be -1, 0 (disabled) or a positive integer, got -5"),
+    ({"min_p": 2}, ["--min-p", "2"], "min_p must be in [0, 1], got 2"),
+    ({"n": 0}, ["--n", "0"], "n must be an integer >= 1, got 0"),
+    ({"max_tokens": 0}, ["--max-tokens", "0"],
+     "max_tokens must be an integer >= 1 or None, got 0"),
+    ({"min_tokens": 5, "max_tokens": 3}, ["--min-tokens", "5", "--max-tokens", "3"],
+     "min_tokens (5) must be <= max_tokens (3)"),
+    ({"presence_penalty": 3}, ["--presence-penalty", "3"],
+     "presence_penalty must be in [-2, 2], got 3"),
+    ({"frequency_penalty": -2.5}, ["--frequency-penalty", "-2.5"],
+     "frequency_penalty must be in [-2, 2], got -2.5"),
+    ({"repetition_penalty": 0}, ["--repetition-penalty", "0"],
+     "repetition_penalty must be > 0 (1 = off), got 0"),
+    ({"logprobs": 21}, ["--logprobs", "21"],
+     "logprobs must be an integer in [0, 20] or None, got 21"),
+    ({"stop": ""}, ["--stop", ""],
+     "stop must be a non-empty string or a list of non-empty strings, got ['']"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "cli_args", "msg"), BAD_SAMPLING,
+                         ids=[next(iter(k)) + "=" + repr(next(iter(k.values())))
+                              for k, _, _ in BAD_SAMPLING])
+def test_invalid_sampling_params(kwargs: dict[str, Any], cli_args: list[str], msg: str,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        SamplingParams(**kwargs)
+    assert msg in cli_error(capsys, "hi", *cli_args)
+
+
+# ---- engine args ------------------------------------------------------------------------------
+
+BAD_ENGINE: list[tuple[dict[str, Any], list[str], str]] = [
+    ({"max_num_seqs": 0}, ["--max-num-seqs", "0"], "max_num_seqs must be a positive integer, got 0"),
+    ({"max_num_batched_tokens": 0}, ["--max-num-batched-tokens", "0"],
+     "max_num_batched_tokens must be a positive integer, got 0"),
+    ({"block_size": -1}, ["--block-size", "-1"], "block_size must be a positive integer, got -1"),
+    ({"dtype": "int8"}, ["--dtype", "int8"],
+     "dtype must be one of auto, float32, float, bfloat16, float16, half; got 'int8'"),
+    ({"device": "tpu"}, ["--device", "tpu"], "device must be one of auto, cuda, cpu; got 'tpu'"),
+    ({"gpu_memory_utilization": 1.5}, ["--gpu-memory-utilization", "1.5"],
+     "gpu_memory_utilization must be in (0, 1], got 1.5"),
+    ({"max_model_len": MAX_POS + 1}, ["--max-model-len", str(MAX_POS + 1)],
+     f"max_model_len={MAX_POS + 1} is larger than the model's max_position_embeddings={MAX_POS}"),
+    ({"max_model_len": 0}, ["--max-model-len", "0"],
+     "max_model_len must be a positive integer, got 0"),
+    ({"num_gpu_blocks_override": 0}, ["--num-gpu-blocks-override", "0"],
+     "num_gpu_blocks_override must be a positive integer, got 0"),
+    ({"attention_backend": "nope"}, ["--attention-backend", "nope"],
+     "unknown attention_backend 'nope'; available: auto, torch"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "cli_args", "msg"), BAD_ENGINE,
+                         ids=[next(iter(k)) for k, _, _ in BAD_ENGINE])
+def test_invalid_engine_args(kwargs: dict[str, Any], cli_args: list[str], msg: str,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        LLM(**kwargs)
+    assert msg in cli_error(capsys, "hi", *cli_args)
+
+
+def test_unknown_engine_kwarg(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(TypeError, match=re.escape("unknown engine arguments ['max_num_seq']")) as e:
+        LLM(max_num_seq=4)
+    assert "valid: model, dtype, max_model_len, max_num_seqs," in str(e.value)
+    # The CLI rejects an unknown flag in argparse (usage error, exit code 2).
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "hi", "--max-num-sequences", "4"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --max-num-sequences 4" in err
+    assert "Traceback" not in err
+
+
+# ---- KV cache capacity ------------------------------------------------------------------------
+
+def test_request_larger_than_kv_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    llm = LLM(num_gpu_blocks_override=2, block_size=16)
+    msg = "request needs 4 KV blocks (prompt 40 + up to 16 output tokens) but the KV cache has 2"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        llm.generate([5] * 40, SamplingParams(max_tokens=16), use_tqdm=False)
+    # A request that fits still runs on the same engine.
+    out = llm.generate([5] * 10, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+    llm.engine.assert_drained()
+    text = "hello world " * 10
+    n = len(llm.get_tokenizer().encode(text))
+    assert n + 16 <= 64  # fits --max-model-len 64: the KV check is the one that fires
+    need = -(-(n + 16) // 16)
+    assert need > 2
+    err = cli_error(capsys, "--num-gpu-blocks-override", "2", "--max-tokens", "16", text)
+    assert (f"request needs {need} KV blocks (prompt {n} + up to 16 output tokens) "
+            "but the KV cache has 2") in err
+
+
+# ---- the engine survives bad requests ---------------------------------------------------------
+
+def test_engine_survives_bad_request_in_batch(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    expected = llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(expected) == 4
+    batches: list[list[Any]] = [
+        [[1, 2, 3], [4, 5, VOCAB]],  # second prompt has an out-of-vocabulary id
+        [[1, 2, 3], [9] * 40],  # second prompt is longer than max_model_len=32
+        [[1, 2, 3], []],  # second prompt is empty
+    ]
+    for batch in batches:
+        with pytest.raises(ValueError):
+            llm.generate(batch, greedy, use_tqdm=False)
+        llm.engine.assert_drained()
+        outs = llm.generate([[1, 2, 3], "hello"], greedy, use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+        assert outs[0].outputs[0].token_ids == expected
+        assert all(o.outputs[0].finish_reason == "length" for o in outs)
+        llm.engine.assert_drained()
+        assert llm.engine.parents == {}
+    with pytest.raises(ValueError, match="got 3 SamplingParams for 2 prompts"):
+        llm.generate(["a", "b"], [greedy] * 3, use_tqdm=False)
+    with pytest.raises(ValueError, match="each prompt must be a string or a list of token ids"):
+        llm.generate(["a", 3.5], greedy, use_tqdm=False)  # type: ignore[list-item]
+    assert llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
+    llm.engine.assert_drained()

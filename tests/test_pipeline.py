@@ -1,0 +1,149 @@
+"""Pipelined (depth 2) and blocking (depth 1) give identical tokens and finish reasons, and the
+zombie/release invariants hold: no token after finalize, no release while in flight, all free
+after drain."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from photon import LLM, SamplingParams
+from photon.engine.engine_core import EngineCore
+from photon.engine.request import Request
+from photon.engine.scheduler import CommittedToken, ScheduledRow
+
+
+@dataclass
+class Spec:
+    prompt: list[int]
+    params: SamplingParams
+    abort_after: int | None = None  # abort once this many tokens were observed
+
+
+@dataclass
+class Audit:
+    """Wraps an engine's commit and free paths and checks the invariants as they happen."""
+
+    core: EngineCore
+    requests: dict[str, Request] = field(default_factory=dict)
+    final_len: dict[str, int] = field(default_factory=dict)
+    zombie_rows: int = 0
+    releases: int = 0
+
+    def install(self) -> None:
+        sched, kv = self.core.scheduler, self.core.kv
+        orig_commit, orig_free, orig_add = sched.commit, kv.free, sched.add
+
+        def add(req: Request) -> None:
+            self.requests[req.request_id] = req
+            orig_add(req)
+
+        def commit(rows: list[ScheduledRow], tokens: list[CommittedToken | None]) -> list[Request]:
+            self.zombie_rows += sum(r.sample and r.request.finalized for r in rows)
+            touched = orig_commit(rows, tokens)
+            for req in self.requests.values():
+                if req.finalized:
+                    n = self.final_len.setdefault(req.request_id, len(req.output_token_ids))
+                    assert len(req.output_token_ids) == n, "a token was appended after finalize"
+            return touched
+
+        def free(request_id: str) -> None:
+            req = self.requests[request_id]
+            assert req.inflight_refs == 0, "KV blocks released while a step still reads them"
+            self.releases += 1
+            orig_free(request_id)
+
+        sched.add, sched.commit, kv.free = add, commit, free
+
+
+def run(llm: LLM, specs: list[Spec], eos: frozenset[int] | None = None) -> tuple[dict, Audit]:
+    core = llm.engine
+    audit = Audit(core)
+    audit.install()
+    if eos is not None:
+        core.tokenizer.eos_token_ids = eos
+    ids = [core.add_request(s.prompt, s.params, request_id=f"r{i}") for i, s in enumerate(specs)]
+    aborts = {f"r{i}": s.abort_after for i, s in enumerate(specs) if s.abort_after is not None}
+    results: dict[str, list[tuple[list[int], str | None]]] = {}
+    while core.has_unfinished():
+        for out in core.step():
+            results[out.request_id] = [(c.token_ids, c.finish_reason) for c in out.outputs]
+            m = aborts.get(out.request_id)
+            if m is not None and not out.finished and len(out.outputs[0].token_ids) >= m:
+                core.abort(out.request_id)
+    core.assert_drained()
+    assert set(results) == set(ids)
+    return results, audit
+
+
+def _engine(pipelined: bool, **kw: object) -> LLM:
+    return LLM(pipelined=pipelined, max_model_len=256, **kw)
+
+
+def _mixed_specs() -> list[Spec]:
+    rng = random.Random(3)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, 1000) for _ in range(n)]
+
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    return [
+        Spec(prompt(5), greedy),
+        Spec(prompt(70), SamplingParams(temperature=0.8, seed=11, max_tokens=20, ignore_eos=True)),
+        Spec(prompt(9), SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=15,
+                                       ignore_eos=True)),
+        Spec(prompt(12), SamplingParams(temperature=0, max_tokens=1)),
+        Spec(prompt(30), SamplingParams(temperature=0, max_tokens=30, stop=["e"])),
+        Spec(prompt(8), SamplingParams(temperature=0.7, seed=2, max_tokens=30,
+                                       stop_token_ids=[500, 501, 502, 503, 504])),
+        Spec(prompt(17), greedy, abort_after=3),
+        Spec(prompt(40), SamplingParams(temperature=1.0, seed=8, max_tokens=40, ignore_eos=True),
+             abort_after=9),
+        Spec(prompt(6), SamplingParams(temperature=0, max_tokens=40)),  # ends on the test's EOS
+        Spec(prompt(25), SamplingParams(temperature=0, max_tokens=12, logprobs=2,
+                                        repetition_penalty=1.3, presence_penalty=0.5)),
+    ]
+
+
+def test_pipelined_equals_blocking_on_mixed_workload() -> None:
+    specs = _mixed_specs()
+    kw = dict(block_size=4, max_num_batched_tokens=24, max_num_seqs=6, num_gpu_blocks_override=32)
+    # An EOS id the greedy request r8 produces mid-way, so that EOS ends it mid-batch.
+    probe, _ = run(_engine(False, **kw), specs[8:9])
+    eos = frozenset({probe["r0"][0][0][5]})
+    blocking, audit_b = run(_engine(False, **kw), specs, eos)
+    pipelined, audit_p = run(_engine(True, **kw), specs, eos)
+    assert pipelined == blocking
+    assert blocking["r8"][0][1] == "stop" and len(blocking["r8"][0][0]) <= 6
+    assert blocking["r3"][0] == (blocking["r3"][0][0], "length") and len(blocking["r3"][0][0]) == 1
+    assert blocking["r6"][0][1] == "abort" and len(blocking["r6"][0][0]) == 3
+    assert blocking["r7"][0][1] == "abort" and len(blocking["r7"][0][0]) == 9
+    assert len({tuple(t) for t, _ in blocking["r2"]}) == 3
+    assert audit_p.zombie_rows > 0 and audit_b.zombie_rows == 0
+    assert audit_p.core.scheduler.num_preemptions > 0  # the small cache forced preemption
+
+
+_prompt = st.lists(st.integers(3, 1023), min_size=1, max_size=48)
+_spec = st.builds(
+    lambda prompt, max_tokens, greedy, seed, stop_id, abort: Spec(
+        prompt,
+        SamplingParams(temperature=0 if greedy else 1.0, seed=seed, max_tokens=max_tokens,
+                       stop_token_ids=[stop_id] if stop_id else None, ignore_eos=True),
+        abort),
+    _prompt, st.integers(1, 16), st.booleans(), st.integers(0, 2**31),
+    st.one_of(st.none(), st.integers(3, 1023)), st.one_of(st.none(), st.integers(1, 8)))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs=st.lists(_spec, min_size=1, max_size=8), block_size=st.sampled_from([4, 8]),
+       budget=st.sampled_from([8, 16, 64]), tight=st.booleans())
+def test_pipelined_equals_blocking_property(specs: list[Spec], block_size: int, budget: int,
+                                            tight: bool) -> None:
+    kw = dict(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=4,
+              num_gpu_blocks_override=(64 // block_size) + 2 if tight else None)
+    blocking, _ = run(_engine(False, **kw), specs)
+    pipelined, _ = run(_engine(True, **kw), specs)
+    assert pipelined == blocking
