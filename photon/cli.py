@@ -97,7 +97,13 @@ def run_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate]
+def _add_bench(sub: Any) -> None:
+    from photon.bench.cli import add_bench
+
+    add_bench(sub)
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

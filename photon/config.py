@@ -37,6 +37,7 @@ class ModelConfig:
     vocab_size: int
     seed: int
     served_model_name: str
+    load_format: str = "auto"
 
     @property
     def num_layers(self) -> int:
@@ -120,6 +121,8 @@ class EngineArgs:
         "Attention backend by name (auto picks the best for the device)."))
     served_model_name: str | None = field(default=None, metadata=_help(
         "Model name reported by the API (default: the model directory's name)."))
+    load_format: str = field(default="auto", metadata=_help(
+        "auto: read *.safetensors; dummy: random weights of the model's shape (benchmarks)."))
 
     def create_config(self) -> EngineConfig:
         from photon.model.tiny import resolve_model_path
@@ -138,6 +141,7 @@ class EngineArgs:
             vocab_size=int(hf_config["vocab_size"]),
             seed=self.seed,
             served_model_name=self.served_model_name or _default_name(self.model, model_dir),
+            load_format=_check_choice("load_format", self.load_format, ("auto", "dummy")),
         )
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -171,6 +175,12 @@ def _default_name(model: str | None, model_dir: str) -> str:
     from photon.model.tiny import PHOTON_TINY
 
     return PHOTON_TINY if model in (None, PHOTON_TINY) else os.path.basename(model_dir.rstrip("/"))
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+    return value
 
 
 def _positive(name: str, value: int) -> None:

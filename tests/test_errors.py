@@ -282,6 +282,7 @@ def test_engine_survives_bad_request_in_batch(llm: LLM) -> None:
         with pytest.raises(ValueError):
             llm.generate(batch, greedy, use_tqdm=False)
         llm.engine.assert_drained()
+        assert llm.engine.parents == {}  # the aborted good prompt is not left behind
         outs = llm.generate([[1, 2, 3], "hello"], greedy, use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
         assert outs[0].outputs[0].token_ids == expected

@@ -58,12 +58,33 @@ def load_model(model_config: ModelConfig, device: str) -> nn.Module:
     torch_device = torch.device(device)
     with torch_device:
         model = cls(model_config.hf_config, model_config.dtype, torch_device)
+    if model_config.load_format == "dummy":
+        _init_dummy(model, model_config.seed)
+    else:
+        _load_checkpoint(model, model_config)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _load_checkpoint(model: nn.Module, model_config: ModelConfig) -> None:
     files = checkpoint_files(model_config.model)
     loaded = model.load_weights(iter_weights(files, model_config.dtype))
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         shown = ", ".join(missing[:10]) + (f" ... ({len(missing)} in all)" if len(missing) > 10 else "")
         raise ConfigError(f"checkpoint in {model_config.model!r} is missing weights: {shown}")
-    model.eval()
-    model.requires_grad_(False)
-    return model
+
+
+@torch.no_grad()
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    """load_format="dummy" (vLLM's name): random weights of the right shapes, no checkpoint read.
+    For benchmarks of model shapes; matrices ~N(0, 0.02), norms 1, biases 0."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() >= 2:
+            param.normal_(0.0, 0.02, generator=gen)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.fill_(1.0)

@@ -12,6 +12,7 @@ never has to reach the host before the next forward is launched.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,9 @@ from photon.config import EngineConfig
 from photon.engine.request import Request
 from photon.engine.scheduler import CommittedToken, ScheduledRow, SchedulerOutput
 from photon.model.loader import load_model
+from photon.worker.cuda_graph import DecodeGraphs, pad_decode_arrays
 from photon.worker.inputs import StepArrays, build_step_arrays
+from photon.worker.probe import StepMarks, StepProbe
 from photon.worker.sampler import Sampler, SamplingBatch
 from photon.worker.slots import StepSlot, Streams
 
@@ -43,6 +46,7 @@ class StepHandle:
     logits: torch.Tensor | None
     num_sampled: int = 0
     max_logprobs: int = -1
+    marks: StepMarks | None = None  # set only while a StepProbe is attached (benchmarks)
 
 
 class ModelRunner:
@@ -73,6 +77,13 @@ class ModelRunner:
                                8 * max_seqs) for i in range(2)]
         self.sampler = Sampler()
         self.step_count = 0
+        self.probe: StepProbe | None = None
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, self.token_pool,
+                                       max_seqs, math.ceil(self.pool_width / self.block_size),
+                                       self.device)
+            self.graphs.capture()
 
     # ---- sizing -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -130,14 +141,35 @@ class ModelRunner:
         self.step_count += 1
         self._assign_pool_rows(plan.rows)
         arrays = build_step_arrays(plan.rows, self.block_size, self.pool_width, self.pool_valid)
+        graph_key = None
+        if self.graphs is not None and arrays.decode_only:
+            graph_key = self.graphs.bucket(len(plan.rows), arrays.ints["block_tables"].shape[1])
+            if graph_key is not None:
+                pad_decode_arrays(arrays.ints, len(plan.rows), *graph_key)
         ints, floats = slot.stage([arrays.ints[k] for k in _INT_FIELDS],
                                   [arrays.floats[k] for k in _FLOAT_FIELDS])
         dev = dict(zip(_INT_FIELDS, ints)) | dict(zip(_FLOAT_FIELDS, floats))
         slot.upload(self.streams)
-        flat_pool = self.token_pool.view(-1)
+        marks = self.probe.new_step() if self.probe is not None else None
+        if marks is not None:
+            self.probe.mark(marks, "fwd_start")
         if arrays.ints["write_idx"].size:
-            flat_pool[dev["write_idx"]] = dev["write_ids"].to(torch.int32)
-        input_ids = flat_pool[dev["pool_idx"]].long()
+            self.token_pool.view(-1)[dev["write_idx"]] = dev["write_ids"].to(torch.int32)
+        if graph_key is not None:
+            hidden = self.graphs.run(graph_key, dev, len(plan.rows))
+        else:
+            hidden = self._forward_eager(plan, arrays, dev)
+        logits = None
+        if arrays.sample_rows:
+            sel = hidden if arrays.decode_only else hidden[dev["logits_indices"]]
+            logits = self.model.compute_logits(sel)
+        if marks is not None:
+            self.probe.mark(marks, "fwd_end")
+        return StepHandle(slot, plan.rows, arrays, dev, logits, len(arrays.sample_rows),
+                          int(arrays.flags["max_logprobs"]), marks)
+
+    def _forward_eager(self, plan: SchedulerOutput, arrays: StepArrays,
+                       dev: dict[str, torch.Tensor]) -> torch.Tensor:
         meta = AttentionMetadata(
             slot_mapping=dev["slot_mapping"],
             block_tables=dev["block_tables"].view(len(plan.rows), -1).to(torch.int32),
@@ -147,13 +179,9 @@ class ModelRunner:
             query_lens_host=arrays.query_lens_host,
             decode_only=arrays.decode_only,
         )
+        input_ids = self.token_pool.view(-1)[dev["pool_idx"]].long()
         ctx = ForwardContext(meta, self.kv_caches, self.backend)
-        hidden = self.model(input_ids, dev["positions"], ctx)
-        logits = None
-        if arrays.sample_rows:
-            logits = self.model.compute_logits(hidden[dev["logits_indices"]])
-        return StepHandle(slot, plan.rows, arrays, dev, logits, len(arrays.sample_rows),
-                          int(arrays.flags["max_logprobs"]))
+        return self.model(input_ids, dev["positions"], ctx)
 
     # ---- finalize -----------------------------------------------------------------------------
     def _sampling_batch(self, h: StepHandle) -> SamplingBatch:
@@ -175,6 +203,8 @@ class ModelRunner:
         """Sample step t+1 with the state committed at t; write tokens where forward t+2 reads."""
         if h.logits is None:
             return
+        if h.marks is not None:
+            self.probe.mark(h.marks, "smp_start")
         out = self.sampler(h.logits, self._sampling_batch(h))
         k = h.max_logprobs
         views = h.slot.output_views(h.num_sampled, max(k, 0))
@@ -185,6 +215,8 @@ class ModelRunner:
                 views.topk_ids.copy_(out.topk_ids)
                 views.topk_lp.copy_(out.topk_logprobs)
         self.token_pool.view(-1)[h.dev["sample_pool_idx"]] = out.token_ids.to(torch.int32)
+        if h.marks is not None:
+            self.probe.mark(h.marks, "smp_end")
         h.slot.download(self.streams, h.num_sampled, k)
 
     # ---- commit's wait -----------------------------------------------------------------------
@@ -192,7 +224,12 @@ class ModelRunner:
         result: list[CommittedToken | None] = [None] * len(h.rows)
         if h.logits is None:
             return result
-        h.slot.wait()
+        if self.probe is not None:
+            t0 = time.perf_counter()
+            h.slot.wait()
+            self.probe.wait_s += time.perf_counter() - t0
+        else:
+            h.slot.wait()
         n, k = h.num_sampled, h.max_logprobs
         tokens = h.slot.out_i_host[:n].tolist()
         lps = h.slot.out_f_host[:n].tolist() if k >= 0 else None

@@ -1,0 +1,1 @@
+"""Benchmarks: `photon bench throughput|bubble` (each prints JSON lines; the last is the summary)."""

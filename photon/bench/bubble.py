@@ -1,0 +1,137 @@
+"""`photon bench bubble`: where a decode step's time goes, pipelined vs blocking, same run.
+
+For each batch size: B requests are prefilled, warmed up, then N decode steps are timed with a
+StepProbe attached. Per step we report GPU time (forward + sampling, CUDA events), host time (the
+iteration's wall time minus its commit wait), wall time, GPU-busy fraction and decode tokens/s,
+for blocking (depth 1) and pipelined (depth 2) on the same engine and weights. The cost model
+predicts blocking = host + GPU and pipelined = max(host, GPU); we print its predicted gain next to
+the measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from photon.bench.cli import add_model_source_args, bench_engine_args, gpu_info
+from photon.engine.engine_core import EngineCore
+from photon.sampling_params import SamplingParams
+from photon.worker.probe import StepProbe
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("bubble", help="Pipeline bubble: per-step GPU/host/wall time, "
+                       "pipelined vs blocking.", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_source_args(p, default_shape=None)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    p.add_argument("--prompt-len", type=int, default=128, help="Prompt tokens per request.")
+    p.add_argument("--steps", type=int, default=64, help="Timed decode steps per run.")
+    p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy sampling.")
+    p.add_argument("--output-json", default=None, help="Also write all rows to this file.")
+    from photon.cli import add_engine_args
+
+    add_engine_args(p)
+    p.set_defaults(func=run_bubble, max_model_len=None)
+
+
+def _sync(core: EngineCore) -> None:
+    if core.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _start_batch(core: EngineCore, batch: int, ns: argparse.Namespace) -> list[str]:
+    rng = random.Random(batch)
+    max_tokens = ns.warmup_steps + ns.steps + 8
+    ids = []
+    for i in range(batch):
+        prompt = [rng.randrange(3, 1000) for _ in range(ns.prompt_len)]
+        params = SamplingParams(temperature=ns.temperature, seed=i, max_tokens=max_tokens,
+                                ignore_eos=True, detokenize=True)
+        ids.append(core.add_request(prompt, params))
+    while any(not r.output_token_ids for r in core.scheduler.running) or core.scheduler.waiting:
+        core.step()  # prefill until every request decodes
+    for _ in range(ns.warmup_steps):
+        core.step()
+    return ids
+
+
+def measure(core: EngineCore, batch: int, depth: int, ns: argparse.Namespace) -> dict[str, Any]:
+    assert core.pipeline.idle and not core.scheduler.has_unfinished()
+    core.pipeline.depth = depth  # same engine and weights for both modes (only while idle)
+    ids = _start_batch(core, batch, ns)
+    _sync(core)
+    probe = StepProbe(core.runner.device)
+    core.runner.probe = probe
+    t0 = time.perf_counter()
+    for _ in range(ns.steps):
+        core.step()
+    loop_s = time.perf_counter() - t0
+    _sync(core)
+    wall_s = time.perf_counter() - t0
+    core.runner.probe = None
+    gpu_s = probe.gpu_seconds()
+    for rid in ids:
+        core.abort(rid)
+    while core.has_unfinished():
+        core.step()
+    n = ns.steps
+    host_s = loop_s - probe.wait_s
+    if core.runner.device.type != "cuda":
+        host_s -= gpu_s  # on CPU the forward and sampling run inline in the host thread
+    return {"gpu_ms": 1e3 * gpu_s / n, "host_ms": 1e3 * host_s / n,
+            "wall_ms": 1e3 * wall_s / n, "gpu_busy": gpu_s / wall_s,
+            "decode_tok_per_s": batch * n / wall_s}
+
+
+def _row(batch: int, blocking: dict[str, Any], pipelined: dict[str, Any]) -> dict[str, Any]:
+    host, gpu = blocking["host_ms"], blocking["gpu_ms"]
+    return {
+        "batch_size": batch,
+        "blocking": blocking,
+        "pipelined": pipelined,
+        "predicted_gain": (host + gpu) / max(host, gpu),
+        "measured_gain": blocking["wall_ms"] / pipelined["wall_ms"],
+    }
+
+
+def run_bubble(ns: argparse.Namespace) -> int:
+    from photon.llm import LLM
+
+    if ns.model is None and ns.model_shape is None:
+        ns.model_shape = "qwen3-0.6b" if torch.cuda.is_available() else "tiny"
+    if ns.max_model_len is None:
+        ns.max_model_len = ns.prompt_len + ns.warmup_steps + ns.steps + 32
+    ns.max_num_seqs = max(ns.max_num_seqs, *ns.batch_sizes)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = bench_engine_args(ns, tmp)
+        llm = LLM(**asdict(args))
+    core = llm.engine
+    rows = []
+    for batch in ns.batch_sizes:
+        blocking = measure(core, batch, 1, ns)
+        pipelined = measure(core, batch, 2, ns)
+        row = _row(batch, blocking, pipelined)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        print(f"B={batch}: blocking {blocking['wall_ms']:.2f} ms/step, pipelined "
+              f"{pipelined['wall_ms']:.2f} ms/step (busy {pipelined['gpu_busy']:.1%}), gain "
+              f"{row['measured_gain']:.2f}x vs predicted {row['predicted_gain']:.2f}x",
+              file=sys.stderr)
+    summary = {"benchmark": "bubble", "model_shape": ns.model_shape, "model": args.model,
+               "prompt_len": ns.prompt_len, "steps": ns.steps,
+               "enforce_eager": args.enforce_eager, "rows": rows, **gpu_info()}
+    if ns.output_json:
+        with open(ns.output_json, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+    print(json.dumps(summary))
+    return 0

@@ -1,0 +1,65 @@
+"""Built-in model shapes for benchmarks: real architectures' configs with random weights.
+
+`materialize_shape()` writes a model directory holding only config.json and photon-tiny's
+tokenizer files; the engine loads it with load_format="dummy" (no checkpoint is read or written).
+Token ids beyond the tokenizer's vocabulary detokenize to nothing, so detokenization still runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+from photon.model.tiny import ensure_photon_tiny
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "eos_token_id": 151645,
+    },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 128009,
+    },
+    "tiny": {  # for CPU runs of the benchmarks in CI
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 128,
+        "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024,
+        "max_position_embeddings": 4096, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True, "torch_dtype": "float32", "eos_token_id": 2,
+    },
+}
+
+
+def materialize_shape(name: str, out_dir: str) -> str:
+    if name not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; available: {', '.join(SHAPES)}")
+    path = os.path.join(out_dir, name)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump({**SHAPES[name], "photon_random_weights": True}, f, indent=2)
+    tiny = ensure_photon_tiny()
+    for fname in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tiny, fname), os.path.join(path, fname))
+    return path
+
+
+def param_count(name: str) -> int:
+    """Parameters of a shape (embedding counted once when tied)."""
+    c = SHAPES[name]
+    h, i, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    q = c["num_attention_heads"] * c["head_dim"]
+    kv = c["num_key_value_heads"] * c["head_dim"]
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + 2 * c["head_dim"]
+    emb = c["vocab_size"] * h
+    return layers * per_layer + emb * (1 if c["tie_word_embeddings"] else 2) + h

@@ -1,0 +1,89 @@
+"""`photon bench throughput`: the standard workload, the roofline model and the CLI (CPU, fast)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from photon.bench.roofline import roofline_tok_per_s, shape_costs, simulate_decode
+from photon.bench.workload import fit_vocab, standard_workload, totals
+from photon.cli import main
+
+H200_BANDWIDTH = 4.23e12  # bytes/s, GPU.md
+H200_BF16_FLOPS = 790e12  # FLOP/s, GPU.md
+SMALL = ["--num-prompts", "6", "--input-len-range", "5", "20", "--output-len-range", "3", "9"]
+
+
+@pytest.fixture(scope="module")
+def requests() -> list[tuple[int, int]]:
+    return [(len(ids), out) for ids, out in standard_workload()]
+
+
+def test_standard_workload_totals() -> None:
+    workload = standard_workload()
+    assert len(workload) == 256
+    assert totals(workload) == (142_827, 133_966)  # GPU.md's numbers
+    assert all(0 <= t <= 10_000 for ids, _ in workload for t in ids)
+    assert standard_workload() == workload  # deterministic
+
+
+def test_fit_vocab_keeps_lengths() -> None:
+    workload = standard_workload(num_prompts=8)
+    folded = fit_vocab(workload, 1024)
+    assert [(len(i), o) for i, o in folded] == [(len(i), o) for i, o in workload]
+    assert max(t for ids, _ in folded for t in ids) < 1024
+
+
+def test_simulate_decode_counts() -> None:
+    # prompt 3, 2 outputs: contexts 3, 4; prompt 5, 1 output: context 5 (both in step 1)
+    traffic = simulate_decode([(3, 2), (5, 1)], max_num_seqs=8)
+    assert (traffic.steps, traffic.kv_token_reads) == (2, 3 + 5 + 4)
+    # one slot: the second request waits for the first
+    assert simulate_decode([(3, 2), (5, 1)], max_num_seqs=1).steps == 3
+
+
+@pytest.mark.parametrize(("shape", "expected"), [("qwen3-0.6b", 35_400), ("llama-3.1-8b", 12_700)])
+def test_roofline_matches_gpu_md(requests: list[tuple[int, int]], shape: str,
+                                 expected: float) -> None:
+    roof = roofline_tok_per_s(requests, shape_costs(shape), H200_BANDWIDTH, 256, H200_BF16_FLOPS)
+    assert roof == pytest.approx(expected, rel=0.02)
+    decode_only = roofline_tok_per_s(requests, shape_costs(shape), H200_BANDWIDTH, 256)
+    assert decode_only > roof  # prefill compute only adds time
+
+
+def _last_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
+    code = main(["bench", "throughput", "--model-shape", "tiny", *SMALL, "--warmup-prompts", "1",
+                 "--hbm-bandwidth", "1e11", *argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def small_output_tokens() -> int:
+    return totals(standard_workload(6, (5, 20), (3, 9)))[1]
+
+
+def test_cli_pipelined(capsys: pytest.CaptureFixture[str], small_output_tokens: int) -> None:
+    summary = _last_json(capsys, [])
+    assert summary["output_tokens"] == small_output_tokens
+    assert summary["pipelined"] is True
+    for key in ("roofline_tok_per_s", "roofline_fraction", "hbm_bandwidth", "elapsed_s",
+                "output_tok_per_s", "total_tok_per_s"):
+        assert isinstance(summary[key], float) and summary[key] > 0, key
+    assert summary["peak_gpu_memory_bytes"] == 0 and summary["model_shape"] == "tiny"
+    assert summary["num_prompts"] == 6 and summary["max_model_len"] == 20 + 9
+    for key in ("prompt_tokens", "gpu_name", "torch_version", "model", "max_num_seqs",
+                "max_num_batched_tokens", "attention_backend", "enforce_eager"):
+        assert key in summary, key
+
+
+def test_cli_blocking(capsys: pytest.CaptureFixture[str], small_output_tokens: int,
+                      tmp_path: Path) -> None:
+    path = tmp_path / "summary.json"
+    summary = _last_json(capsys, ["--no-pipelined", "--output-json", str(path)])
+    assert summary["pipelined"] is False
+    assert summary["output_tokens"] == small_output_tokens
+    assert json.loads(path.read_text()) == summary
