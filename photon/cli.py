@@ -46,7 +46,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 
 def _add_generate(sub: Any) -> None:
-    p = sub.add_parser("generate", help="Generate completions for prompts and print them.",
+    p = sub.add_parser("generate", allow_abbrev=False, help="Generate completions for prompts and print them.",
                        description="Generate completions for the given prompts (offline batch).")
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="Prompt text(s).")
     for name, (kind, help_text) in SAMPLING_FLAGS.items():
@@ -109,6 +109,7 @@ SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_bench]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="photon",
+        allow_abbrev=False,
         description="photon: LLM inference with pipelined decoding. "
                     "Run `photon COMMAND --help` for the options of a command.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -107,7 +107,7 @@ class EngineArgs:
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
         "Fraction of GPU memory the engine may use (weights + activations + KV cache)."))
     kv_cache_memory_bytes: int | None = field(default=None, metadata=_help(
-        "KV cache size in bytes (CPU default: 1 GiB; on CUDA overrides gpu_memory_utilization)."))
+        "KV cache size in bytes (CPU default: 256 MiB; on CUDA overrides gpu_memory_utilization)."))
     num_gpu_blocks_override: int | None = field(default=None, metadata=_help(
         "Force the number of KV blocks (testing preemption)."))
     enable_prefix_caching: bool = field(default=True, metadata=_help(

@@ -28,7 +28,7 @@ from photon.worker.probe import StepProbe
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bubble", help="Pipeline bubble: per-step GPU/host/wall time, "
+    p = sub.add_parser("bubble", allow_abbrev=False, help="Pipeline bubble: per-step GPU/host/wall time, "
                        "pipelined vs blocking.", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_source_args(p, default_shape=None)

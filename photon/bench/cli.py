@@ -14,7 +14,7 @@ BENCHMARKS: dict[str, str] = {
 
 
 def add_bench(sub: Any) -> None:
-    p = sub.add_parser("bench", help="Benchmarks (throughput, pipeline bubble).",
+    p = sub.add_parser("bench", allow_abbrev=False, help="Benchmarks (throughput, pipeline bubble).",
                        description="Benchmarks. Each prints JSON lines; the last is the summary.")
     bench_sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     bench_sub.required = True

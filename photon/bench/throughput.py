@@ -26,7 +26,7 @@ def add_parser(bench_sub: Any) -> None:
     from photon.cli import add_engine_args
 
     p = bench_sub.add_parser(
-        "throughput", help="Offline throughput on the standard workload vs the roofline.",
+        "throughput", allow_abbrev=False, help="Offline throughput on the standard workload vs the roofline.",
         description="Generate the standard offline workload (GPU.md's 'nano-vllm bench': random "
                     "token-id prompts, EOS ignored) and report output tokens/s, with the "
                     "memory-bandwidth roofline for comparison. Last stdout line: JSON summary.")

@@ -103,9 +103,11 @@ class Scheduler:
         return num_new
 
     def _pick_victim(self, req: Request) -> Request:
-        """Lowest priority running request (latest arrival), else the request itself."""
-        for cand in reversed(self.running):
-            if cand is not req and cand.status is RequestStatus.RUNNING:
+        """Lowest-priority running request not yet planned this step (they come after `req`);
+        `req` itself when there is none."""
+        later = self.running[self.running.index(req) + 1:]
+        for cand in reversed(later):
+            if cand.status is RequestStatus.RUNNING:
                 return cand
         return req
 

@@ -34,7 +34,7 @@ _INT_FIELDS = ("positions", "pool_idx", "slot_mapping", "write_idx", "write_ids"
                "pool_rows", "prompt_lens", "s_seq_lens", "sample_pool_idx", "ban_rows",
                "ban_tokens")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
-CPU_DEFAULT_KV_BYTES = 1 << 30
+CPU_DEFAULT_KV_BYTES = 256 << 20
 
 
 @dataclass
