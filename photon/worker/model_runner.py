@@ -202,6 +202,9 @@ class ModelRunner:
     def finalize(self, h: StepHandle) -> None:
         """Sample step t+1 with the state committed at t; write tokens where forward t+2 reads."""
         if h.logits is None:
+            # Nothing to sample, but the fence must still be recorded: commit(t) waiting on it is
+            # what makes the slot's staging buffers reusable at t+2.
+            h.slot.download(self.streams, 0, -1)
             return
         if h.marks is not None:
             self.probe.mark(h.marks, "smp_start")
@@ -222,8 +225,6 @@ class ModelRunner:
     # ---- commit's wait -----------------------------------------------------------------------
     def wait(self, h: StepHandle) -> list[CommittedToken | None]:
         result: list[CommittedToken | None] = [None] * len(h.rows)
-        if h.logits is None:
-            return result
         if self.probe is not None:
             t0 = time.perf_counter()
             h.slot.wait()
@@ -231,6 +232,8 @@ class ModelRunner:
         else:
             h.slot.wait()
         n, k = h.num_sampled, h.max_logprobs
+        if n == 0:
+            return result
         tokens = h.slot.out_i_host[:n].tolist()
         lps = h.slot.out_f_host[:n].tolist() if k >= 0 else None
         top_ids = h.slot.out_i_host[n:n + n * k].view(n, k).tolist() if k > 0 else None

@@ -122,14 +122,17 @@ class StepSlot:
         """Enqueue the D2H copy of the sampled tokens (and logprobs) after sampling finished."""
         n = rows * (1 + max(k, 0))
         if not streams.cuda:
+            if n == 0:
+                return
             self.out_i_host[:n].copy_(self.out_i_dev[:n])
             self.out_f_host[:n].copy_(self.out_f_dev[:n])
             return
         self.sampled.record(streams.compute)
         with torch.cuda.stream(streams.copy):
             streams.copy.wait_event(self.sampled)
-            self.out_i_host[:n].copy_(self.out_i_dev[:n], non_blocking=True)
-            if k >= 0:
+            if n:
+                self.out_i_host[:n].copy_(self.out_i_dev[:n], non_blocking=True)
+            if n and k >= 0:
                 self.out_f_host[:n].copy_(self.out_f_dev[:n], non_blocking=True)
             self.copy_done.record()
 
