@@ -39,7 +39,7 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
+                ids.append(self.engine.add_request(prompt, p, stream=False))
         except ValueError:
             for rid in ids:  # all or nothing: a bad prompt leaves no half-submitted batch
                 self.engine.abort(rid)

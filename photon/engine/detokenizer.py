@@ -40,16 +40,32 @@ class IncrementalDetokenizer:
         self._held = ""
         self._sent = 0
         self._stopped = False
+        self._lazy = 0  # tokens appended but not yet decoded (only without stop strings)
 
     @property
     def output_text(self) -> str:
+        self._catch_up()
         return self._text + self._held
 
     def update(self, token_id: int) -> str | None:
-        """Append one output token; return the stop string it completed, else None."""
+        """Append one output token; return the stop string it completed, else None.
+
+        Without stop strings nothing needs the text at commit time, so decoding is deferred to
+        the next read of the text (one decode for all pending tokens, off the per-step path)."""
         if not self._active or self._stopped:
             return None
         self._ids.append(token_id)
+        if not self._stops:
+            self._lazy += 1
+            return None
+        return self._add_decoded()
+
+    def _catch_up(self) -> None:
+        if self._lazy:
+            self._lazy = 0
+            self._add_decoded()
+
+    def _add_decoded(self) -> str | None:
         new_text = self._decode_new()
         if not new_text:
             return None
@@ -98,6 +114,7 @@ class IncrementalDetokenizer:
         withheld so a stop string that is later matched and removed is never streamed.
         `finished=True` flushes everything.
         """
+        self._catch_up()
         text = self.output_text if (finished or self._stopped) else self._text
         end = len(text)
         if not (finished or self._stopped) and self._max_stop_len > 1:

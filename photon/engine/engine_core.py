@@ -38,6 +38,7 @@ class EngineCore:
         self._ids = itertools.count()
         self.parents: dict[str, list[Request]] = {}  # request id -> its n children
         self._aborted: list[str] = []  # reported by the next step()
+        self._final_only: set[str] = set()
 
     # ---- edge validation ----------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
@@ -67,7 +68,8 @@ class EngineCore:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, stream: bool = True) -> str:
+        """Queue a request; with stream=False, step() reports it only once it is finished."""
         params.validate_token_ids(self.config.model.vocab_size)
         text, ids = self.tokenize_prompt(prompt)
         max_tokens = self._max_tokens(len(ids), params)
@@ -86,6 +88,8 @@ class EngineCore:
             children.append(req)
             self.scheduler.add(req)
         self.parents[request_id] = children
+        if not stream:
+            self._final_only.add(request_id)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -103,10 +107,17 @@ class EngineCore:
             else []
         parent_ids = dict.fromkeys([*self._aborted, *(r.parent_id for r in touched)])
         self._aborted.clear()
-        outputs = [self.make_output(pid) for pid in parent_ids if pid in self.parents]
-        for out in outputs:
-            if out.finished:
-                del self.parents[out.request_id]
+        outputs = []
+        for pid in parent_ids:
+            children = self.parents.get(pid)
+            if children is None:
+                continue
+            finished = all(r.finalized for r in children)
+            if finished or pid not in self._final_only:
+                outputs.append(self.make_output(pid))
+            if finished:
+                del self.parents[pid]
+                self._final_only.discard(pid)
         return outputs
 
     def make_output(self, parent_id: str) -> RequestOutput:

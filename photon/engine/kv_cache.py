@@ -101,6 +101,17 @@ class KVCacheManager:
         """A copy of the request's block table (empty for an unknown id)."""
         return list(self._req_blocks.get(request_id, ()))
 
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's live block list, without a copy: read it, never mutate it. Valid until
+        the next allocate/free of that request (the hot loop reads it right after planning)."""
+        return self._req_blocks[request_id]
+
+    def needs_publish(self, request_id: str, num_tokens: int) -> bool:
+        """Cheap check whether cache_blocks(request_id, ..., num_tokens) would publish a block."""
+        state = self._req_publish.get(request_id)
+        return (self.enable_prefix_caching and state is not None and not state.stopped
+                and num_tokens // self.block_size > state.num_blocks)
+
     # ------------------------------------------------------------------ prefix lookup
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         """Longest run of cached full blocks equal to the prompt's prefix. Takes no references."""

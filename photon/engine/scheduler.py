@@ -132,7 +132,7 @@ class Scheduler:
         start = req.num_computed_tokens
         sample = start + num_new == req.num_known_tokens
         out.rows.append(ScheduledRow(req, start, num_new, sample, req.num_planned_outputs,
-                                    self.kv.block_ids(req.request_id)))
+                                    self.kv.block_table(req.request_id)))
         out.num_tokens += num_new
         req.num_computed_tokens += num_new
         req.num_pending += int(sample)
@@ -160,9 +160,10 @@ class Scheduler:
                     self._append(req, tok)
                     touched.append(req)
             req.inflight_refs -= 1
-            if req.status is not RequestStatus.PREEMPTED and not req.finalized:
-                self.kv.cache_blocks(req.request_id, req.all_token_ids,
-                                     min(req.num_computed_tokens, req.num_committed_tokens))
+            if req.status is RequestStatus.RUNNING:
+                known = min(req.num_computed_tokens, req.num_committed_tokens)
+                if self.kv.needs_publish(req.request_id, known):
+                    self.kv.cache_blocks(req.request_id, req.all_token_ids, known)
             self._maybe_release(req)
         return touched
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from photon.engine.scheduler import ScheduledRow
+from photon.sampling_params import SamplingParams
 
 I64 = np.int64
 
@@ -30,84 +31,97 @@ class StepArrays:
 
 def _token_arrays(rows: list[ScheduledRow], block_size: int, pool_width: int,
                   pool_valid: list[int]) -> dict[str, np.ndarray]:
-    positions, pool_idx, slots, write_idx, write_ids = [], [], [], [], []
+    """Per-token arrays. Decode rows (one token) take a scalar path: this runs for every row of
+    every step, so it avoids per-row numpy calls."""
+    positions: list[int] = []
+    pool_idx: list[int] = []
+    slots: list[int] = []
+    write_idx: list[int] = []
+    write_ids: list[int] = []
+    bs = block_size
     for row in rows:
         req = row.request
-        pos = np.arange(row.start, row.seq_len, dtype=I64)
-        blocks = np.asarray(row.block_ids, dtype=I64)
         base = req.pool_row * pool_width
-        positions.append(pos)
-        pool_idx.append(base + pos)
-        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        start, end = row.start, row.seq_len
+        if end - start == 1:
+            positions.append(start)
+            pool_idx.append(base + start)
+            slots.append(row.block_ids[start // bs] * bs + start % bs)
+        else:
+            pos = np.arange(start, end, dtype=I64)
+            blocks = np.asarray(row.block_ids, dtype=I64)
+            positions.extend(pos.tolist())
+            pool_idx.extend((base + pos).tolist())
+            slots.extend((blocks[pos // bs] * bs + pos % bs).tolist())
         first = pool_valid[req.pool_row]
-        if first < row.seq_len:  # tokens the pool lacks come from the host (committed tokens)
-            toks = req.all_token_ids[first:row.seq_len]
-            assert len(toks) == row.seq_len - first, "an uncommitted token is missing from the pool"
-            write_idx.append(base + np.arange(first, row.seq_len, dtype=I64))
-            write_ids.append(np.asarray(toks, dtype=I64))
-        pool_valid[req.pool_row] = row.seq_len + int(row.sample)
-    cat = _concat
-    return {"positions": cat(positions), "pool_idx": cat(pool_idx), "slot_mapping": cat(slots),
-            "write_idx": cat(write_idx), "write_ids": cat(write_ids)}
+        if first < end:  # tokens the pool lacks come from the host (committed tokens)
+            toks = req.all_token_ids[first:end]
+            assert len(toks) == end - first, "an uncommitted token is missing from the pool"
+            write_idx.extend(range(base + first, base + end))
+            write_ids.extend(toks)
+        pool_valid[req.pool_row] = end + int(row.sample)
+    arr = _i64
+    return {"positions": arr(positions), "pool_idx": arr(pool_idx), "slot_mapping": arr(slots),
+            "write_idx": arr(write_idx), "write_ids": arr(write_ids)}
 
 
-def _concat(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=I64)
+def _i64(values: list[int]) -> np.ndarray:
+    return np.fromiter(values, dtype=I64, count=len(values))
 
 
 def _seq_arrays(rows: list[ScheduledRow]) -> dict[str, np.ndarray]:
-    qlens = np.fromiter((r.num_tokens for r in rows), dtype=I64, count=len(rows))
+    qlens = _i64([r.num_tokens for r in rows])
     qsl = np.zeros(len(rows) + 1, dtype=I64)
     np.cumsum(qlens, out=qsl[1:])
     width = max(len(r.block_ids) for r in rows)
     tables = np.zeros((len(rows), width), dtype=I64)
     for i, r in enumerate(rows):
         tables[i, : len(r.block_ids)] = r.block_ids
-    seq_lens = np.fromiter((r.seq_len for r in rows), dtype=I64, count=len(rows))
     sample = [i for i, r in enumerate(rows) if r.sample]
-    return {"seq_lens": seq_lens, "query_start_loc": qsl, "block_tables": tables,
-            "logits_indices": qsl[1:][sample] - 1}
+    return {"seq_lens": _i64([r.seq_len for r in rows]), "query_start_loc": qsl,
+            "block_tables": tables, "logits_indices": qsl[1:][sample] - 1}
 
 
 def _sampling_arrays(rows: list[ScheduledRow], pool_width: int
                      ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, bool | int]]:
-    ints: dict[str, list[int]] = {k: [] for k in ("top_k", "keys", "counters", "pool_rows",
-                                                  "prompt_lens", "s_seq_lens", "sample_pool_idx",
-                                                  "ban_rows", "ban_tokens")}
-    floats: dict[str, list[float]] = {k: [] for k in ("temperature", "top_p", "min_p", "presence",
-                                                      "frequency", "repetition")}
-    max_lp = -1
-    for r_idx, row in enumerate(r for r in rows if r.sample):
-        req, p = row.request, row.request.params
-        for key, val in (("top_k", p.top_k), ("keys", req.random_key), ("counters", row.out_index),
-                         ("pool_rows", req.pool_row), ("prompt_lens", req.num_prompt_tokens),
-                         ("s_seq_lens", row.seq_len),
-                         ("sample_pool_idx", req.pool_row * pool_width + row.seq_len)):
-            ints[key].append(val)
-        for key, val in (("temperature", p.temperature), ("top_p", p.top_p), ("min_p", p.min_p),
-                         ("presence", p.presence_penalty), ("frequency", p.frequency_penalty),
-                         ("repetition", p.repetition_penalty)):
-            floats[key].append(val)
+    srows = [r for r in rows if r.sample]
+    reqs = [r.request for r in srows]
+    params = [q.params for q in reqs]
+    ints = {
+        "top_k": _i64([p.top_k for p in params]),
+        "keys": _i64([q.random_key for q in reqs]),
+        "counters": _i64([r.out_index for r in srows]),
+        "pool_rows": _i64([q.pool_row for q in reqs]),
+        "prompt_lens": _i64([q.num_prompt_tokens for q in reqs]),
+        "s_seq_lens": _i64([r.seq_len for r in srows]),
+        "sample_pool_idx": _i64([q.pool_row * pool_width + r.seq_len
+                                 for q, r in zip(reqs, srows)]),
+    }
+    ban_rows: list[int] = []
+    ban_tokens: list[int] = []
+    for i, (row, p) in enumerate(zip(srows, params)):
         if row.out_index < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))
-            ints["ban_rows"].extend([r_idx] * len(banned))
-            ints["ban_tokens"].extend(sorted(banned))
-        if p.logprobs is not None:
-            max_lp = max(max_lp, p.logprobs)
-    flags = _flags(rows, max_lp)
-    return ({k: np.asarray(v, dtype=I64) for k, v in ints.items()},
-            {k: np.asarray(v, dtype=np.float32) for k, v in floats.items()}, flags)
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(row.request.eos_token_ids))
+            ban_rows.extend([i] * len(banned))
+            ban_tokens.extend(sorted(banned))
+    ints["ban_rows"], ints["ban_tokens"] = _i64(ban_rows), _i64(ban_tokens)
+    f32 = np.float32
+    floats = {name: np.fromiter((getattr(p, attr) for p in params), dtype=f32, count=len(params))
+              for name, attr in (("temperature", "temperature"), ("top_p", "top_p"),
+                                 ("min_p", "min_p"), ("presence", "presence_penalty"),
+                                 ("frequency", "frequency_penalty"),
+                                 ("repetition", "repetition_penalty"))}
+    return ints, floats, _flags(params)
 
 
-def _flags(rows: list[ScheduledRow], max_lp: int) -> dict[str, bool | int]:
-    params = [r.request.params for r in rows if r.sample]
+def _flags(params: list[SamplingParams]) -> dict[str, bool | int]:
     return {
         "all_greedy": all(p.greedy for p in params),
         "any_top_k": any(p.top_k > 0 and not p.greedy for p in params),
         "any_top_p": any(p.top_p < 1.0 and not p.greedy for p in params),
         "any_min_p": any(p.min_p > 0.0 and not p.greedy for p in params),
         "any_penalties": any(p.needs_penalties for p in params),
-        "max_logprobs": max_lp,
+        "max_logprobs": max((p.logprobs for p in params if p.logprobs is not None), default=-1),
     }
 
 
