@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 def _check(cond: bool, message: str) -> None:
@@ -38,7 +38,6 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
-    extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +47,10 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        # The per-step staging reads these six floats for every sampled row (worker/inputs.py).
+        self.float_row = (float(self.temperature), float(self.top_p), float(self.min_p),
+                          float(self.presence_penalty), float(self.frequency_penalty),
+                          float(self.repetition_penalty))
 
     def _validate(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")

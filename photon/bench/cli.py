@@ -9,6 +9,7 @@ from typing import Any
 # name -> module with `add_parser(subparsers)`; imported lazily.
 BENCHMARKS: dict[str, str] = {
     "bubble": "photon.bench.bubble",
+    "profile": "photon.bench.profile",
     "throughput": "photon.bench.throughput",
 }
 

@@ -48,10 +48,17 @@ def materialize_shape(name: str, out_dir: str) -> str:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump({**SHAPES[name], "photon_random_weights": True}, f, indent=2)
+    return attach_tokenizer(path)
+
+
+def attach_tokenizer(model_dir: str) -> str:
+    """Give a tokenizer-less model dir (e.g. a peer benchmark's saved weights) photon-tiny's
+    byte-level tokenizer, so the engine can load it and detokenize (ids past 1024 decode to "")."""
     tiny = ensure_photon_tiny()
     for fname in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(tiny, fname), os.path.join(path, fname))
-    return path
+        if not os.path.exists(os.path.join(model_dir, fname)):
+            shutil.copy(os.path.join(tiny, fname), os.path.join(model_dir, fname))
+    return model_dir
 
 
 def param_count(name: str) -> int:

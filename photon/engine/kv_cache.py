@@ -143,6 +143,8 @@ class KVCacheManager:
     def allocate(self, request_id: str, num_tokens: int, prefix: PrefixMatch | None = None) -> bool:
         """Grow the request to ceil(num_tokens / block_size) blocks. All or nothing."""
         held = self._req_blocks.get(request_id)
+        if prefix is None and held is not None and num_tokens <= len(held) * self.block_size:
+            return True  # the common decode step: the last block still has room
         prefix_blocks = prefix.block_ids if prefix is not None else []
         if prefix_blocks:
             self._validate_prefix(request_id, held, num_tokens, prefix_blocks)

@@ -105,12 +105,9 @@ def _sampling_arrays(rows: list[ScheduledRow], pool_width: int
             ban_rows.extend([i] * len(banned))
             ban_tokens.extend(sorted(banned))
     ints["ban_rows"], ints["ban_tokens"] = _i64(ban_rows), _i64(ban_tokens)
-    f32 = np.float32
-    floats = {name: np.fromiter((getattr(p, attr) for p in params), dtype=f32, count=len(params))
-              for name, attr in (("temperature", "temperature"), ("top_p", "top_p"),
-                                 ("min_p", "min_p"), ("presence", "presence_penalty"),
-                                 ("frequency", "frequency_penalty"),
-                                 ("repetition", "repetition_penalty"))}
+    table = np.array([p.float_row for p in params], dtype=np.float32).reshape(len(params), 6)
+    floats = {name: table[:, i] for i, name in enumerate(
+        ("temperature", "top_p", "min_p", "presence", "frequency", "repetition"))}
     return ints, floats, _flags(params)
 
 

@@ -1,0 +1,330 @@
+"""Triton paged attention: KV write, split-K flash-decoding and a paged varlen prefill kernel.
+
+Cache layout (see backend.py): kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim].
+Every kernel gathers K/V per token through the block table (token n of a sequence lives in page
+block_tables[seq, n // block_size] at offset n % block_size), so any block size works.
+
+Decode (one query token per sequence, CUDA-graph capturable: no host reads of device tensors):
+  * `_decode_split_kernel`, grid (num_seqs, num_kv_heads, num_splits). One program owns every
+    query head of one KV group (q tile [GROUP_PAD >= 16, D]), so each K/V tile is read once per
+    group, and one contiguous range of `tokens_per_split` context positions. It runs an fp32
+    online softmax over its range and writes the partial (max, sum, acc), or, with one split,
+    the final output directly.
+  * `_decode_reduce_kernel`, grid (num_seqs, num_heads): rescales and sums the partials.
+  The split count depends only on Python ints (batch size, KV heads, block-table width), never
+  on seq_lens, so one graph per batch size at full table width stays valid for every step.
+Prefill / chunked prefill / mixed steps: `_prefill_kernel`, grid
+  (num_seqs, cdiv(max_query_len, BLOCK_M), num_heads). Query j of sequence i sits at absolute
+  position seq_len - q_len + j and attends causally to the cached positions <= its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from photon.attention.backend import AttentionBackend, AttentionMetadata
+
+MAX_SPLITS = 64
+MIN_GROUP_PAD = 16  # tl.dot needs every dimension >= 16
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kv, stride_blk, stride_off, stride_ch,
+                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, D_PAD)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    dmask = d < HEAD_DIM
+    dst = (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_off + h * stride_ch + d
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dmask, other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dmask, other=0.0)
+    out_ty = cache_ptr.dtype.element_ty
+    tl.store(cache_ptr + dst, k.to(out_ty), mask=dmask)
+    tl.store(cache_ptr + stride_kv + dst, v.to(out_ty), mask=dmask)
+
+
+@triton.jit
+def _load_page_tile(cache_ptr, bt_row_ptr, n, nmask, d, dmask, kv_head,
+                    stride_blk, stride_off, stride_ch, BLOCK_SIZE: tl.constexpr):
+    """Offsets [BLOCK_N, D_PAD] of context positions n (gathered through the block table)."""
+    blk = tl.load(bt_row_ptr + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+    row = blk * stride_blk + (n % BLOCK_SIZE) * stride_off + kv_head * stride_ch
+    return row[:, None] + d[None, :], nmask[:, None] & dmask[None, :]
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
+                         part_acc_ptr, part_m_ptr, part_l_ptr,
+                         scale, max_ctx, tokens_per_split, num_splits,
+                         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                         stride_kv, stride_blk, stride_off, stride_ch,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    # A padded row (seq_len 0 or 1, table of zeros) still attends to one position: finite output.
+    seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + b), 1), max_ctx)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    gmask = g < GROUP
+    dmask = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    qmask = gmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask,
+                other=0.0)
+    q = q.to(cache_ptr.dtype.element_ty)
+    lo = split * tokens_per_split
+    hi = tl.minimum(lo + tokens_per_split, seq_len)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    bt_row = bt_ptr + b * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        nmask = n < hi
+        offs, kvmask = _load_page_tile(cache_ptr, bt_row, n, nmask, d, dmask, kv_head,
+                                       stride_blk, stride_off, stride_ch, BLOCK_SIZE)
+        k = tl.load(cache_ptr + offs, mask=kvmask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        v = tl.load(cache_ptr + stride_kv + offs, mask=kvmask, other=0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    if DIRECT:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=qmask)
+    else:
+        row = (b * NUM_HEADS + heads) * num_splits + split  # partials are [B, H, S(, D)]
+        tl.store(part_m_ptr + row, m_i, mask=gmask)
+        tl.store(part_l_ptr + row, l_i, mask=gmask)
+        tl.store(part_acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=qmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_splits,
+                          stride_ot, stride_oh,
+                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                          SPLITS_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    base = (b * NUM_HEADS + h) * num_splits
+    sp = tl.arange(0, SPLITS_PAD)
+    smask = sp < num_splits
+    # Split 0 always holds position 0, so m_max is finite; empty splits (m = -inf) weigh 0.
+    m = tl.load(part_m_ptr + base + sp, mask=smask, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + base + sp, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(smask, tl.exp(m - m_max), 0.0)
+    total = tl.sum(w * l_s, 0)
+    d = tl.arange(0, D_PAD)
+    acc = tl.zeros([D_PAD], dtype=tl.float32)
+    for s in range(0, num_splits):
+        w_s = tl.exp(tl.load(part_m_ptr + base + s) - m_max)
+        acc += w_s * tl.load(part_acc_ptr + (base + s) * D_PAD + d)
+    out = acc / total
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, scale, max_ctx,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    stride_kv, stride_blk, stride_off, stride_ch,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DOT_PREC: tl.constexpr):
+    b = tl.program_id(0)
+    m_blk = tl.program_id(1)
+    h = tl.program_id(2)
+    kv_head = h // GROUP
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_ctx)
+    ctx_start = seq_len - q_len  # absolute position of this sequence's first query token
+    j = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    jmask = j < q_len
+    q_pos = ctx_start + j
+    d = tl.arange(0, D_PAD)
+    dmask = d < HEAD_DIM
+    qmask = jmask[:, None] & dmask[None, :]
+    q_offs = (q_start + j)[:, None] * stride_qt + h * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=qmask, other=0.0).to(cache_ptr.dtype.element_ty)
+    # Keys up to the tile's last query position; an empty tile (past q_len) loops zero times.
+    last = tl.minimum(m_blk * BLOCK_M + BLOCK_M, q_len)
+    hi = tl.where(m_blk * BLOCK_M < q_len, tl.minimum(ctx_start + last, seq_len), 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    bt_row = bt_ptr + b * stride_bt
+    for start in range(0, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        nmask = n < hi
+        offs, kvmask = _load_page_tile(cache_ptr, bt_row, n, nmask, d, dmask, kv_head,
+                                       stride_blk, stride_off, stride_ch, BLOCK_SIZE)
+        k = tl.load(cache_ptr + offs, mask=kvmask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
+        s = tl.where(nmask[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        # Rows past q_len may see no key at all: keep their max finite so no NaN is formed.
+        m_new = tl.maximum(tl.maximum(m_i, tl.max(s, 1)), -1e30)
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        v = tl.load(cache_ptr + stride_kv + offs, mask=kvmask, other=0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_offs = (q_start + j)[:, None] * stride_ot + h * stride_oh + d[None, :]
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_split_plan(num_seqs: int, num_kv_heads: int, max_ctx: int, num_sms: int,
+                      block_n: int) -> tuple[int, int]:
+    """(num_splits, tokens_per_split) from Python ints only: about two waves of programs.
+
+    Splits cover the block table's full width (max_ctx positions) in multiples of block_n;
+    splits past a sequence's length do no work and weigh zero in the reduce.
+    """
+    max_splits = min(MAX_SPLITS, triton.cdiv(max_ctx, block_n))
+    want = triton.cdiv(2 * num_sms, max(num_seqs * num_kv_heads, 1))
+    splits = max(1, min(want, max_splits))
+    tokens_per_split = triton.cdiv(triton.cdiv(max_ctx, splits), block_n) * block_n
+    return triton.cdiv(max_ctx, tokens_per_split), tokens_per_split
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 (the default) only affects fp32
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _cache_strides(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must be contiguous in head_dim")
+    return kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k, v [T, Hkv, D] into the cache at slot_mapping (every slot valid; padding -> block 0)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    _write_kv_kernel[(num_tokens, num_kv_heads)](
+        k, v, kv_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *_cache_strides(kv_cache), BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim))
+
+
+def _block_n(head_dim: int) -> int:
+    return 64 if head_dim <= 128 else 32
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D]; one query per sequence at position seq_len - 1."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    q = _last_dim_contiguous(q)
+    group = num_heads // num_kv_heads
+    max_ctx = block_tables.shape[1] * block_size
+    d_pad, block_n = triton.next_power_of_2(head_dim), _block_n(head_dim)
+    splits, per_split = decode_split_plan(num_seqs, num_kv_heads, max_ctx, _num_sms(q.device),
+                                          block_n)
+    part_acc = torch.empty((num_seqs, num_heads, splits, d_pad), dtype=torch.float32,
+                           device=q.device)
+    part_m = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
+        q, kv_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
+        scale, max_ctx, per_split, splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *_cache_strides(kv_cache),
+        GROUP=group, GROUP_PAD=max(MIN_GROUP_PAD, triton.next_power_of_2(group)),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
+        BLOCK_N=block_n, DIRECT=splits == 1, DOT_PREC=_dot_precision(kv_cache.dtype),
+        num_warps=4)
+    if splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_acc, part_m, part_l, out, splits, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
+            SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)
+    return out
+
+
+def varlen_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                     scale: float) -> torch.Tensor:
+    """Causal paged attention for prefill, chunked prefill and mixed steps (eager path)."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    max_q_len = max(metadata.query_lens_host, default=0)
+    if num_tokens == 0 or max_q_len == 0:
+        return out
+    q = _last_dim_contiguous(q)
+    block_m = min(64, max(16, triton.next_power_of_2(max_q_len)))
+    block_tables = metadata.block_tables
+    grid = (metadata.num_seqs, triton.cdiv(max_q_len, block_m), num_heads)
+    _prefill_kernel[grid](
+        q, kv_cache, block_tables, metadata.seq_lens, metadata.query_start_loc, out, scale,
+        block_tables.shape[1] * block_size,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *_cache_strides(kv_cache),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        BLOCK_N=_block_n(head_dim), DOT_PREC=_dot_precision(kv_cache.dtype), num_warps=4)
+    return out
+
+
+class TritonPagedBackend(AttentionBackend):
+    name = "triton"
+    # Decode cost follows seq_lens, not the block-table width: one graph per batch size suffices.
+    decode_cost_depends_on_width = False
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, kv_cache, metadata.slot_mapping)
+        if metadata.decode_only:
+            return decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale)
+        return varlen_attention(q, kv_cache, metadata, scale)
+
+    def supports(self, device: torch.device) -> bool:
+        return torch.device(device).type == "cuda" or _interpreting()

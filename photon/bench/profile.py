@@ -1,0 +1,101 @@
+"""`photon bench profile`: where a decode step's GPU time goes, by kernel class.
+
+B requests are prefilled to a given context, then N decode steps run under torch.profiler. Each GPU
+kernel is put in a class by its name (attention, gemm, sampling, elementwise); idle is the wall time
+not covered by any kernel. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from photon.bench.bubble import _start_batch
+from photon.bench.cli import add_model_source_args, bench_engine_args, gpu_info
+
+KERNEL_CLASSES: list[tuple[str, re.Pattern[str]]] = [
+    ("attention", re.compile(r"attn|attention|flash|paged|fmha|sdpa|_decode|_prefill|kv_write",
+                             re.I)),
+    ("sampling", re.compile(r"gumbel|sampl|sort|topk|top_k|argmax|softmax|threshold|penalt", re.I)),
+    ("gemm", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|matmul|cublas|sm90_|splitk", re.I)),
+]
+
+
+def classify(name: str) -> str:
+    for cls, pattern in KERNEL_CLASSES:
+        if pattern.search(name):
+            return cls
+    return "elementwise"
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("profile", allow_abbrev=False, description=__doc__,
+                       help="GPU time of a decode step by kernel class (attention, GEMM, ...).",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_source_args(p, default_shape=None)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=1024, help="Context length before decoding.")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--warmup-steps", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=0.0)
+    from photon.cli import add_engine_args
+
+    add_engine_args(p)
+    p.set_defaults(func=run_profile)
+
+
+def _breakdown(prof: torch.profiler.profile, wall_s: float, steps: int) -> dict[str, Any]:
+    totals: dict[str, float] = {"attention": 0.0, "gemm": 0.0, "sampling": 0.0, "elementwise": 0.0}
+    top: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+        totals[classify(evt.name)] += us
+        top[evt.name] = top.get(evt.name, 0.0) + us
+    busy_ms = sum(totals.values()) / 1e3
+    wall_ms = wall_s * 1e3
+    per_step = {k: v / 1e3 / steps for k, v in totals.items()}
+    per_step["idle"] = max(wall_ms - busy_ms, 0.0) / steps
+    heaviest = sorted(top.items(), key=lambda kv: -kv[1])[:12]
+    return {"ms_per_step": per_step, "wall_ms_per_step": wall_ms / steps,
+            "fraction": {k: v / (wall_ms / steps) for k, v in per_step.items()},
+            "top_kernels_ms_per_step": {k[:90]: v / 1e3 / steps for k, v in heaviest}}
+
+
+def run_profile(ns: argparse.Namespace) -> int:
+    from photon.llm import LLM
+
+    if not torch.cuda.is_available():
+        raise ValueError("photon bench profile needs a CUDA GPU (it reads CUDA kernel times)")
+    if ns.model is None and ns.model_shape is None:
+        ns.model_shape = "qwen3-0.6b"
+    if ns.max_model_len is None:
+        ns.max_model_len = ns.prompt_len + ns.warmup_steps + ns.steps + 32
+    ns.max_num_seqs = max(ns.max_num_seqs, ns.batch_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = bench_engine_args(ns, tmp)
+        llm = LLM(**asdict(args))
+    core = llm.engine
+    _start_batch(core, ns.batch_size, ns)
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(ns.steps):
+            core.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    result = {"benchmark": "profile", "model_shape": ns.model_shape, "batch_size": ns.batch_size,
+              "context": ns.prompt_len, "pipelined": args.pipelined,
+              "attention_backend": core.runner.backend.name, **_breakdown(prof, wall, ns.steps),
+              **gpu_info()}
+    print(json.dumps(result))
+    return 0
