@@ -1,30 +1,46 @@
 #!/usr/bin/env bash
 # One GPU session on the H200 test machine: GPU tests, then benchmarks; logs and JSON under $OUT.
-# Usage: OUT=/some/dir bash tools/h200_session.sh [tests|bubble|throughput ...]
+# Usage: OUT=/some/dir bash tools/h200_session.sh [tests|bubble|bubble8b|throughput|throughput8b|profile|peer ...]
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PHOTON_CACHE_DIR="${PHOTON_CACHE_DIR:-/tmp/photon-cache}"
 OUT="${OUT:-out}"; mkdir -p "$OUT"
-steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(tests bubble throughput)
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(tests throughput bubble profile)
 log="$OUT/session.log"
+P="python3 -m photon.cli"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$log"
-python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$log"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$log"
+tp() {  # tp NAME ARGS...: one throughput run, JSON summary to $OUT/tp_NAME.json
+  local name=$1; shift
+  timeout 200 $P bench throughput "$@" --output-json "$OUT/tp_$name.json" 2>&1 | tail -2 | tee -a "$log"
+}
 for step in "${steps[@]}"; do
   echo "=== $step $(date +%T)" | tee -a "$log"
   case "$step" in
     tests)
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_sampler.py \
-        tests/test_pipeline.py 2>&1 | tail -25 | tee -a "$log" ;;
-    bubble)
-      timeout 240 python3 -m photon.cli bench bubble --model-shape qwen3-0.6b \
-        --output-json "$OUT/bubble_qwen3_0.6b.json" 2>&1 | grep -v '^{' | tee -a "$log"
-      timeout 240 python3 -m photon.cli bench bubble --model-shape llama-3.1-8b \
-        --output-json "$OUT/bubble_llama_3.1_8b.json" 2>&1 | grep -v '^{' | tee -a "$log" ;;
+      timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu tests/test_sampler.py \
+        tests/test_triton_attention.py tests/test_kernels.py tests/test_pipeline.py \
+        tests/test_e2e_parity.py 2>&1 | tail -25 | tee -a "$log" ;;
     throughput)
-      for mode in pipelined no-pipelined; do
-        timeout 240 python3 -m photon.cli bench throughput --model-shape qwen3-0.6b --$mode \
-          --output-json "$OUT/throughput_qwen3_0.6b_$mode.json" 2>&1 | tail -3 | tee -a "$log"
-      done ;;
+      tp qwen_pipelined --model-shape qwen3-0.6b
+      tp qwen_blocking --model-shape qwen3-0.6b --no-pipelined ;;
+    throughput8b)
+      tp llama8b_pipelined --model-shape llama-3.1-8b ;;
+    bubble)
+      timeout 150 $P bench bubble --model-shape qwen3-0.6b --output-json "$OUT/bubble_qwen.json" \
+        2>&1 | grep -v '^{' | tee -a "$log" ;;
+    bubble8b)
+      timeout 150 $P bench bubble --model-shape llama-3.1-8b --output-json "$OUT/bubble_llama8b.json" \
+        2>&1 | grep -v '^{' | tee -a "$log" ;;
+    profile)
+      timeout 120 $P bench profile --model-shape qwen3-0.6b --batch-size 256 --prompt-len 1024 \
+        2>&1 | tail -1 > "$OUT/profile_qwen.json"; tail -c 1500 "$OUT/profile_qwen.json" | tee -a "$log" ;;
+    peer)
+      # HF transformers continuous batching on the standard workload; its weights feed photon.
+      timeout 330 python3 .carry/hf_peer.py --model qwen3-0.6b --n 256 --save /tmp/peer-qwen \
+        2>&1 | tail -2 | tee -a "$log" "$OUT/peer_hf.json"
+      python3 -c "from photon.bench.shapes import attach_tokenizer; attach_tokenizer('/tmp/peer-qwen')"
+      tp peer_weights_pipelined --model /tmp/peer-qwen --dtype bfloat16 ;;
   esac
 done
 echo "=== done $(date +%T)" | tee -a "$log"
