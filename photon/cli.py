@@ -1,4 +1,4 @@
-"""`photon` command line: generate (more subcommands register themselves in SUBCOMMANDS)."""
+"""`photon` command line: generate, serve, bench (more subcommands register themselves in SUBCOMMANDS)."""
 
 from __future__ import annotations
 
@@ -103,7 +103,13 @@ def _add_bench(sub: Any) -> None:
     add_bench(sub)
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_bench]
+def _add_serve(sub: Any) -> None:
+    from photon.server.launch import add_serve
+
+    add_serve(sub)
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_serve, _add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

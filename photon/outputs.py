@@ -20,9 +20,18 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Engine-side timestamps (time.monotonic()) of a request, for serving metrics."""
+
+    arrival_time: float  # when EngineCore.add_request created it
+    first_scheduled_time: float | None = None  # first admission into a running batch
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    metrics: RequestMetrics | None = None

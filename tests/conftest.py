@@ -9,3 +9,12 @@ import pytest
 def _photon_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """photon-tiny is created into a per-session temp dir: tests never write to ~/.cache."""
     os.environ["PHOTON_CACHE_DIR"] = str(tmp_path_factory.mktemp("photon-cache"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Without CUDA, Triton kernels run in its interpreter; it is read when a kernel is decorated,
+    so it has to be set before any test imports a module that defines one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -220,7 +220,7 @@ BAD_ENGINE: list[tuple[dict[str, Any], list[str], str]] = [
     ({"num_gpu_blocks_override": 0}, ["--num-gpu-blocks-override", "0"],
      "num_gpu_blocks_override must be a positive integer, got 0"),
     ({"attention_backend": "nope"}, ["--attention-backend", "nope"],
-     "unknown attention_backend 'nope'; available: auto, torch"),
+     "unknown attention_backend 'nope'; available: auto, torch, triton"),
 ]
 
 

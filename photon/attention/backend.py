@@ -72,6 +72,7 @@ class AttentionBackend(ABC):
 # name -> "module:Class"; imported lazily so optional backends cost nothing when unused.
 _BACKENDS: dict[str, str] = {
     "torch": "photon.attention.torch_ref:TorchReferenceBackend",
+    "triton": "photon.attention.triton_paged:TritonPagedBackend",
 }
 
 
@@ -83,9 +84,17 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def create_backend(name: str, device: str) -> AttentionBackend:
     if name == "auto":
-        name = "torch"
+        name = "triton" if str(device).startswith("cuda") and _triton_available() else "torch"
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention_backend {name!r}; available: auto, {', '.join(available_backends())}")

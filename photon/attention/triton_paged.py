@@ -132,13 +132,14 @@ def _decode_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_spl
     w = tl.where(smask, tl.exp(m - m_max), 0.0)
     total = tl.sum(w * l_s, 0)
     d = tl.arange(0, D_PAD)
+    dmask = d < HEAD_DIM
     acc = tl.zeros([D_PAD], dtype=tl.float32)
     for s in range(0, num_splits):
         w_s = tl.exp(tl.load(part_m_ptr + base + s) - m_max)
-        acc += w_s * tl.load(part_acc_ptr + (base + s) * D_PAD + d)
+        acc += w_s * tl.load(part_acc_ptr + (base + s) * D_PAD + d, mask=dmask, other=0.0)
     out = acc / total
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+             mask=dmask)
 
 
 @triton.jit
@@ -196,7 +197,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
@@ -210,6 +211,7 @@ def decode_split_plan(num_seqs: int, num_kv_heads: int, max_ctx: int, num_sms: i
     Splits cover the block table's full width (max_ctx positions) in multiples of block_n;
     splits past a sequence's length do no work and weigh zero in the reduce.
     """
+    max_ctx = max(max_ctx, 1)
     max_splits = min(MAX_SPLITS, triton.cdiv(max_ctx, block_n))
     want = triton.cdiv(2 * num_sms, max(num_seqs * num_kv_heads, 1))
     splits = max(1, min(want, max_splits))
@@ -248,6 +250,11 @@ def _block_n(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
+def _num_stages(dtype: torch.dtype) -> int:
+    # K and V tiles are double/triple buffered in shared memory: keep fp32 tiles within budget.
+    return 2 if dtype == torch.float32 else 3
+
+
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]; one query per sequence at position seq_len - 1."""
@@ -274,7 +281,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         GROUP=group, GROUP_PAD=max(MIN_GROUP_PAD, triton.next_power_of_2(group)),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, DIRECT=splits == 1, DOT_PREC=_dot_precision(kv_cache.dtype),
-        num_warps=4)
+        num_warps=4, num_stages=_num_stages(kv_cache.dtype))
     if splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_acc, part_m, part_l, out, splits, out.stride(0), out.stride(1),
@@ -303,7 +310,8 @@ def varlen_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: Attentio
         *_cache_strides(kv_cache),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_N=_block_n(head_dim), DOT_PREC=_dot_precision(kv_cache.dtype), num_warps=4)
+        BLOCK_N=_block_n(head_dim), DOT_PREC=_dot_precision(kv_cache.dtype), num_warps=4,
+        num_stages=_num_stages(kv_cache.dtype))
     return out
 
 

@@ -10,12 +10,14 @@ from typing import Any
 BENCHMARKS: dict[str, str] = {
     "bubble": "photon.bench.bubble",
     "profile": "photon.bench.profile",
+    "serve": "photon.bench.serve",
     "throughput": "photon.bench.throughput",
 }
 
 
 def add_bench(sub: Any) -> None:
-    p = sub.add_parser("bench", allow_abbrev=False, help="Benchmarks (throughput, pipeline bubble).",
+    p = sub.add_parser("bench", allow_abbrev=False,
+                       help="Benchmarks (throughput, pipeline bubble, serving).",
                        description="Benchmarks. Each prints JSON lines; the last is the summary.")
     bench_sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     bench_sub.required = True

@@ -3,6 +3,13 @@
 add_request() validates at the edge (clear ValueErrors), step() runs one pipeline iteration and
 returns outputs for the requests that changed, abort() finalizes through the same zombie path as a
 stop.
+
+Output modes per request (chosen at add_request):
+- cumulative (default, `stream=True`): every output carries all tokens/text so far;
+- final-only (`stream=False`, used by `LLM`): reported once, when finished;
+- delta (`delta=True`, used by the server): each output carries only what is new since the last
+  one (token ids, logprobs, and text from the detokenizer's `get_delta`, which withholds a
+  possible stop-string prefix), and a child's `finish_reason` appears exactly once.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import itertools
 import math
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from photon.config import EngineConfig
 from photon.engine.detokenizer import IncrementalDetokenizer
@@ -18,11 +26,30 @@ from photon.engine.kv_cache import KVCacheManager
 from photon.engine.pipeline import Pipeline
 from photon.engine.request import Request
 from photon.engine.scheduler import Scheduler
-from photon.outputs import CompletionOutput, RequestOutput
+from photon.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from photon.sampling_params import SamplingParams
 from photon.tokenizer import Tokenizer
 from photon.worker.model_runner import ModelRunner
 from photon.worker.sampler import derive_key
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of engine counters (read on the engine's own thread)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # blocks held by live requests / usable blocks
+    num_evictable_blocks: int  # free blocks still holding a cached prefix
+    prefix_queries: int  # tokens looked up in the prefix cache (cumulative)
+    prefix_hits: int  # tokens found (cumulative)
+    num_preemptions: int  # cumulative
+
+
+@dataclass
+class _DeltaState:
+    sent_tokens: list[int]  # per child: output tokens already reported
+    finish_sent: list[bool]
 
 
 class EngineCore:
@@ -39,6 +66,7 @@ class EngineCore:
         self.parents: dict[str, list[Request]] = {}  # request id -> its n children
         self._aborted: list[str] = []  # reported by the next step()
         self._final_only: set[str] = set()
+        self._delta: dict[str, _DeltaState] = {}
 
     # ---- edge validation ----------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
@@ -66,10 +94,22 @@ class EngineCore:
                              f"{limit} output tokens) but the KV cache has {self.kv.num_blocks - 1}")
         return limit
 
+    def check_fits(self, num_prompt: int, max_tokens: int | None) -> None:
+        """The server's rule (as vLLM's server): prompt + max_tokens must fit max_model_len.
+        Offline, add_request clamps max_tokens instead."""
+        max_len = self.config.model.max_model_len
+        if max_tokens is not None and num_prompt + max_tokens > max_len:
+            raise ValueError(
+                f"this model's maximum context length is {max_len} tokens, but the request asks "
+                f"for {num_prompt + max_tokens} ({num_prompt} in the prompt + {max_tokens} for the "
+                f"completion); reduce the prompt or max_tokens")
+
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
-                    request_id: str | None = None, stream: bool = True) -> str:
-        """Queue a request; with stream=False, step() reports it only once it is finished."""
+                    request_id: str | None = None, stream: bool = True,
+                    delta: bool = False) -> str:
+        """Queue a request; with stream=False, step() reports it only once it is finished;
+        with delta=True each output carries only what is new (see the module docstring)."""
         params.validate_token_ids(self.config.model.vocab_size)
         text, ids = self.tokenize_prompt(prompt)
         max_tokens = self._max_tokens(len(ids), params)
@@ -90,6 +130,8 @@ class EngineCore:
         self.parents[request_id] = children
         if not stream:
             self._final_only.add(request_id)
+        if delta:
+            self._delta[request_id] = _DeltaState([0] * params.n, [False] * params.n)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -118,12 +160,44 @@ class EngineCore:
             if finished:
                 del self.parents[pid]
                 self._final_only.discard(pid)
+                self._delta.pop(pid, None)
         return outputs
 
     def make_output(self, parent_id: str) -> RequestOutput:
         children = self.parents[parent_id]
         first = children[0]
-        outs = [CompletionOutput(
+        state = self._delta.get(parent_id)
+        if state is not None:
+            outs = [self._delta_output(r, state) for r in children]
+        else:
+            outs = self._cumulative_outputs(children)
+        scheduled = [r.scheduled_time for r in children if r.scheduled_time is not None]
+        metrics = RequestMetrics(first.arrival_time, min(scheduled) if scheduled else None)
+        return RequestOutput(parent_id, first.prompt, list(first.prompt_token_ids), outs,
+                             finished=all(r.finalized for r in children), metrics=metrics)
+
+    @staticmethod
+    def _delta_output(r: Request, state: _DeltaState) -> CompletionOutput:
+        start, end = state.sent_tokens[r.index], len(r.output_token_ids)
+        state.sent_tokens[r.index] = end
+        finish = None
+        if r.finalized and not state.finish_sent[r.index]:
+            state.finish_sent[r.index] = True
+            finish = r.finish_reason.value if r.finish_reason else None
+        want_lp = r.params.logprobs is not None
+        return CompletionOutput(
+            index=r.index,
+            text=r.detokenizer.get_delta(finished=r.finalized) if r.detokenizer else "",
+            token_ids=r.output_token_ids[start:end],
+            cumulative_logprob=r.cumulative_logprob if want_lp else None,
+            logprobs=r.logprobs[start:end] if want_lp else None,
+            finish_reason=finish,
+            stop_reason=r.stop_reason if finish else None,
+        )
+
+    @staticmethod
+    def _cumulative_outputs(children: list[Request]) -> list[CompletionOutput]:
+        return [CompletionOutput(
             index=r.index,
             text=r.detokenizer.output_text if r.detokenizer else "",
             token_ids=list(r.output_token_ids),
@@ -132,8 +206,12 @@ class EngineCore:
             finish_reason=r.finish_reason.value if r.finish_reason else None,
             stop_reason=r.stop_reason,
         ) for r in children]
-        return RequestOutput(parent_id, first.prompt, list(first.prompt_token_ids), outs,
-                             finished=all(r.finalized for r in children))
+
+    def stats(self) -> EngineStats:
+        sched, kv = self.scheduler, self.kv
+        return EngineStats(len(sched.running), len(sched.waiting), kv.usage,
+                           kv.num_cached_free_blocks, kv.prefix_queries, kv.prefix_hits,
+                           sched.num_preemptions)
 
     # ---- drain checks -------------------------------------------------------------------------
     def assert_drained(self) -> None:

@@ -8,6 +8,7 @@ the step's in-flight references, releasing resources of finalized requests that 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -123,6 +124,8 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.released = False
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             req.num_computed_tokens = prefix.num_tokens
             self.running.append(req)
             self._add_row(req, num_new, out)

@@ -18,6 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from photon.kernels import USE_TRITON
+
+if USE_TRITON:
+    from photon.kernels import sampling as fused_sampling
+
 GREEDY_EPS = 1e-5  # rows with temperature below this are greedy (matches SamplingParams.greedy)
 
 _M32 = 0xFFFFFFFF
@@ -173,29 +178,42 @@ def apply_bans(logits: Tensor, batch: SamplingBatch) -> Tensor:
 
 
 def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
-    """Drop tokens whose probability < min_p * max probability (min_p = 0 keeps all)."""
-    probs = torch.softmax(logits, dim=-1)
-    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    """Drop tokens whose probability < min_p * max probability (min_p = 0 keeps all).
+
+    Evaluated in logit space, as the fused CUDA path does: p_v < min_p * p_max
+    <=> logit_v < max logit + log(min_p).
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p[:, None].log()
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
-    """Top-k then nucleus filtering via one descending sort; the top token is always kept."""
+    """Top-k then nucleus filtering via one descending sort; the top token is always kept.
+
+    Ties are kept: each filter keeps every token whose logit equals the smallest one it keeps
+    (top_k: the k-th largest value; top_p: a token is kept while the mass of the tokens with a
+    strictly larger logit is < top_p). The kept set is thus {v : logit_v >= cutoff}, which the
+    fused CUDA path (photon.kernels.sampling) computes without a sort.
+    """
     vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    sorted_logits, _ = logits.sort(dim=-1, descending=True)
+    cutoff = torch.full_like(sorted_logits[:, :1], float("-inf"))
     if top_k is not None:
         k = top_k.long()
         k = torch.where((k <= 0) | (k > vocab), torch.full_like(k, vocab), k)
-        sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
+        cutoff = sorted_logits.gather(1, (k - 1)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < cutoff, float("-inf"))
     if top_p is not None:
         probs = torch.softmax(sorted_logits, dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly above this rank
         # Keep the smallest prefix reaching top_p: a rank is kept while the mass above it
         # is still < top_p. top_p >= 1 keeps everything (guards cumsum rounding past 1.0).
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
         keep = (before < top_p[:, None]) | (top_p[:, None] >= 1.0) | (ranks == 0)
-        sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+        # The kept ranks are a prefix: its last value is the cut-off.
+        last = sorted_logits.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
+        cutoff = torch.maximum(cutoff, last)
+    return logits.masked_fill(logits < cutoff, float("-inf"))
 
 
 def _sample_random(logits: Tensor, batch: SamplingBatch, greedy: Tensor) -> Tensor:
@@ -218,8 +236,28 @@ def _logprob_outputs(raw: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Te
     return sampled, top_ids, top_lp
 
 
+def _sample_fused(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Triton path of greedy/temperature/min_p/top_k/top_p + Gumbel-max: same tokens, no
+    sort and no [R, V] noise (photon.kernels.sampling)."""
+    threshold = None
+    if batch.any_min_p or batch.any_top_k or batch.any_top_p:
+        threshold = fused_sampling.filter_thresholds(
+            logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p,
+            use_top_k=batch.any_top_k, use_top_p=batch.any_top_p, use_min_p=batch.any_min_p,
+            greedy_eps=GREEDY_EPS)
+    return fused_sampling.gumbel_argmax(logits, batch.temperature, batch.keys, batch.counters,
+                                        threshold, greedy_eps=GREEDY_EPS)
+
+
 class Sampler:
-    """Stateless: `Sampler()(logits [R, V], batch) -> SamplerOutput`, all on-device."""
+    """Stateless: `Sampler()(logits [R, V], batch) -> SamplerOutput`, all on-device.
+
+    fused=None picks the Triton kernels for CUDA logits (when triton imports) and the torch
+    ops otherwise; True/False forces a path (True on CPU needs TRITON_INTERPRET=1).
+    """
+
+    def __init__(self, fused: bool | None = None) -> None:
+        self.fused = fused
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         owned = logits.dtype != torch.float32  # .float() copies only then
@@ -229,10 +267,15 @@ class Sampler:
             logits, owned = apply_penalties(logits, batch), True
         if batch.ban_rows.numel() > 0:  # a shape, not a value: no sync
             logits = apply_bans(logits if owned else logits.clone(), batch)
-        token_ids = logits.argmax(dim=-1)
-        if not batch.all_greedy:
+        fused = self.fused if self.fused is not None else logits.is_cuda and USE_TRITON
+        if batch.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        elif fused:
+            token_ids = _sample_fused(logits, batch)
+        else:
             greedy = batch.temperature < GREEDY_EPS
-            token_ids = torch.where(greedy, token_ids, _sample_random(logits, batch, greedy))
+            token_ids = torch.where(greedy, logits.argmax(dim=-1),
+                                    _sample_random(logits, batch, greedy))
         if raw is None:
             return SamplerOutput(token_ids, None, None, None)
         sampled, top_ids, top_lp = _logprob_outputs(raw, token_ids, batch.max_logprobs)

@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from photon.kernels import USE_TRITON
 from photon.model.layers.linear import default_weight_loader
+
+if USE_TRITON:
+    from photon.kernels import elementwise
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +29,16 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if x.is_cuda and USE_TRITON:
+            if residual is None:
+                return elementwise.rms_norm(x, self.weight, self.eps)
+            return elementwise.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return self.forward_torch(x, residual)
+
+    def forward_torch(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The torch implementation: the CPU path and the kernels' oracle."""
         if residual is None:
             return self._norm(x)
         # The add happens in the activation dtype, as in HF's decoder layer.

@@ -14,6 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from photon.kernels import USE_TRITON
+
+if USE_TRITON:
+    from photon.kernels import elementwise
+
 DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -72,6 +77,13 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.is_cuda and USE_TRITON:
+            return elementwise.rotary_neox(positions, q, k, self.cos_cache, self.sin_cache)
+        return self.forward_torch(positions, q, k)
+
+    def forward_torch(self, positions: torch.Tensor, q: torch.Tensor,
+                      k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch implementation: the CPU path and the kernel's oracle."""
         cos = self.cos_cache[positions].to(q.dtype)[:, None, :]
         sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -1,0 +1,308 @@
+"""`photon bench serve`: online serving benchmark against an OpenAI-compatible server.
+
+Requests arrive by --request-rate (Poisson, or gamma with --burstiness; inf = all at once) and/or
+are capped by --max-concurrency; each streams with EOS ignored so output lengths are controlled.
+Reports TTFT, TPOT, ITL and E2E latency (mean/std/median/p90/p99, ms), request/token throughput
+and goodput under --goodput SLOs. --sweep R1 R2 ... (or --sweep-concurrency C1 C2 ...) runs a
+ladder and plots the latency-throughput frontier; --plot-from draws several runs on one plot.
+A human summary goes to stderr; the last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from photon.bench.serve_metrics import aggregate, arrival_offsets, parse_goodput
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+WARMUP_MAX_TOKENS = 16
+
+
+def add_parser(bench_sub: Any) -> None:
+    p = bench_sub.add_parser("serve", allow_abbrev=False, help="Online serving benchmark "
+                             "(TTFT/TPOT/ITL, goodput, frontier sweeps) against a server.",
+                             description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_server_args(p)
+    _add_workload_args(p)
+    _add_load_args(p)
+    _add_report_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--base-url", default=os.environ.get("PHOTON_BASE_URL", DEFAULT_BASE_URL),
+                   help=f"Server URL (env PHOTON_BASE_URL, default {DEFAULT_BASE_URL}).")
+    g.add_argument("--endpoint", default="/v1/completions",
+                   help="/v1/completions (default; token-id prompts) or /v1/chat/completions.")
+    g.add_argument("--api-key", default=None,
+                   help="Bearer token (default: env PHOTON_API_KEY, then OPENAI_API_KEY).")
+    g.add_argument("--model", default=None, help="Model name (default: first of GET /v1/models).")
+    g.add_argument("--wait-server", type=float, default=0.0, metavar="S",
+                   help="Retry GET /v1/models for up to S seconds until the server is up.")
+    g.add_argument("--request-timeout", type=float, default=6 * 3600.0, metavar="S",
+                   help="Per-request timeout in seconds (default 6 h).")
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help="Requests per run (default 200; a --dataset's rows; 256 for standard).")
+    g.add_argument("--random-input-len", type=int, default=1024)
+    g.add_argument("--random-output-len", type=int, default=128)
+    g.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="Lengths uniform in [len*(1-r), len*(1+r)] (0 <= r < 1; default 0).")
+    g.add_argument("--random-vocab-size", type=int, default=10000,
+                   help="Random token ids are in [0, this) (default 10000; photon-tiny: 1024).")
+    g.add_argument("--dataset", default=None, metavar="PATH",
+                   help="JSONL rows {'prompt': str | [ids], 'output_len': int}, or 'standard' "
+                        "(the offline nano-vllm workload: 100-1024 in and out).")
+    g.add_argument("--seed", type=int, default=0, help="Seed of prompts and arrivals.")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--warmup-requests", type=int, default=1,
+                   help=f"Untimed requests first (up to {WARMUP_MAX_TOKENS} tokens; default 1).")
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("load")
+    g.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Requests/s (default inf: all at once).")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="Gamma shape of inter-arrival times (1 = Poisson; <1 burstier).")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="Most requests in flight (default: no cap).")
+    sweep = g.add_mutually_exclusive_group()
+    sweep.add_argument("--sweep", "--sweep-rates", dest="sweep", type=float, nargs="+",
+                       default=None, metavar="RATE", help="Run a ladder of request rates.")
+    sweep.add_argument("--sweep-concurrency", type=int, nargs="+", default=None, metavar="C",
+                       help="Run a ladder of --max-concurrency values (request rate inf).")
+
+
+def _add_report_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("report")
+    g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (ms).")
+    g.add_argument("--label", default=None, help="Name of this series (default: the model).")
+    g.add_argument("--output-json", default=None, metavar="PATH",
+                   help="Also write the last JSON line to PATH.")
+    g.add_argument("--output-dir", default=None, metavar="DIR",
+                   help="Write LABEL.json (all points) and, for sweeps, LABEL.png here.")
+    g.add_argument("--save-requests", action="store_true",
+                   help="Keep per-request records in the JSON (under 'requests').")
+    g.add_argument("--plot-from", nargs="+", default=None, metavar="JSON",
+                   help="Only plot: merge these runs' series into --plot-output.")
+    g.add_argument("--plot-output", default="serve_frontier.png", metavar="PNG")
+    g.add_argument("--plot-panels", nargs="+", default=None, metavar="METRIC",
+                   help="Y metrics, one panel each (default median_tpot_ms p99_ttft_ms).")
+
+
+def _log(msg: str) -> None:
+    print(f"[bench serve] {msg}", file=sys.stderr, flush=True)
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    if ns.plot_from:
+        return _plot_only(ns)
+    _check_args(ns)
+    slos = parse_goodput(ns.goodput)
+    cfg = asyncio.run(_client_config(ns))
+    specs = _requests(ns)
+    if not asyncio.run(_warmup(cfg, specs, ns.warmup_requests)):
+        return 1
+    loads = _loads(ns)
+    points = [_run_point(ns, cfg, specs, rate, conc, slos) for rate, conc in loads]
+    if ns.sweep or ns.sweep_concurrency:
+        return _finish_sweep(ns, points)
+    _emit(ns, points[0], points)
+    return 0
+
+
+def _check_args(ns: argparse.Namespace) -> None:
+    if ns.num_prompts is not None and ns.num_prompts <= 0:
+        raise ValueError(f"--num-prompts must be positive, got {ns.num_prompts}")
+    for rate in [ns.request_rate, *(ns.sweep or [])]:
+        if not rate > 0:
+            raise ValueError(f"request rates must be positive (or inf), got {rate}")
+    for conc in [ns.max_concurrency, *(ns.sweep_concurrency or [])]:
+        if conc is not None and conc <= 0:
+            raise ValueError(f"concurrency must be positive, got {conc}")
+    if not ns.burstiness > 0:
+        raise ValueError(f"--burstiness must be positive, got {ns.burstiness}")
+
+
+async def _client_config(ns: argparse.Namespace) -> Any:
+    from photon.bench.serve_client import ClientConfig, wait_for_models
+
+    key = ns.api_key or os.environ.get("PHOTON_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    cfg = ClientConfig(ns.base_url, ns.endpoint, ns.model or "", key, ns.temperature,
+                       ns.request_timeout)
+    if ns.wait_server > 0 or not ns.model:
+        models = await wait_for_models(cfg, ns.wait_server)
+        if not ns.model:
+            if not models:
+                raise RuntimeError(f"{cfg.base_url}/v1/models lists no model; pass --model")
+            cfg.model = models[0]
+    _log(f"server {cfg.url}, model {cfg.model}")
+    return cfg
+
+
+def _requests(ns: argparse.Namespace) -> list[Any]:
+    from photon.bench import serve_workload as sw
+
+    if ns.dataset == sw.STANDARD_DATASET:
+        specs = sw.standard_requests(ns.num_prompts, ns.random_vocab_size, ns.seed)
+    elif ns.dataset:
+        specs = sw.load_dataset(ns.dataset, ns.num_prompts)
+    else:
+        specs = sw.random_requests(ns.num_prompts or 200, ns.random_input_len,
+                                   ns.random_output_len, ns.random_range_ratio,
+                                   ns.random_vocab_size, ns.seed)
+    known = [s.prompt_len for s in specs if s.prompt_len is not None]
+    _log(f"{len(specs)} requests: {sum(known)} prompt tokens (known), "
+         f"{sum(s.output_len for s in specs)} output tokens")
+    return specs
+
+
+async def _warmup(cfg: Any, specs: list[Any], count: int) -> bool:
+    """Untimed short requests; False (after logging why) when the first one fails."""
+    from dataclasses import replace
+
+    from photon.bench.serve_client import make_session, send_request
+
+    if count <= 0:
+        return True
+    async with make_session(cfg, 1) as session:
+        for spec in specs[:count]:
+            short = replace(spec, output_len=min(spec.output_len, WARMUP_MAX_TOKENS))
+            record = await send_request(session, cfg, short, 0.0)
+            if not record.success:
+                _log(f"warm-up request failed: {record.error}")
+                return False
+    _log(f"warm-up: {min(count, len(specs))} request(s) ok")
+    return True
+
+
+def _loads(ns: argparse.Namespace) -> list[tuple[float, int | None]]:
+    """(request rate, max concurrency) of every run."""
+    if ns.sweep:
+        return [(rate, ns.max_concurrency) for rate in ns.sweep]
+    if ns.sweep_concurrency:
+        return [(ns.request_rate, conc) for conc in ns.sweep_concurrency]
+    return [(ns.request_rate, ns.max_concurrency)]
+
+
+def _run_point(ns: argparse.Namespace, cfg: Any, specs: list[Any], rate: float,
+               conc: int | None, slos: dict[str, float]) -> dict[str, Any]:
+    from photon.bench.serve_client import run_requests
+
+    _log(f"run: request rate {rate}, burstiness {ns.burstiness}, max concurrency {conc}")
+    offsets = arrival_offsets(len(specs), rate, ns.burstiness, ns.seed)
+    records, duration = asyncio.run(run_requests(cfg, specs, offsets, conc))
+    summary = {"benchmark": "serve", **aggregate(records, duration, slos),
+               **_params(ns, cfg, rate, conc, slos, len(specs))}
+    if ns.save_requests:
+        from dataclasses import asdict
+
+        summary["requests"] = [asdict(r) for r in records]
+    _print_human(summary)
+    if ns.sweep or ns.sweep_concurrency:
+        print(json.dumps(summary), flush=True)
+    return summary
+
+
+def _json_rate(rate: float) -> float | str:
+    return "inf" if math.isinf(rate) else rate
+
+
+def _params(ns: argparse.Namespace, cfg: Any, rate: float, conc: int | None,
+            slos: dict[str, float], num: int) -> dict[str, Any]:
+    sweep = "request_rate" if ns.sweep else "max_concurrency" if ns.sweep_concurrency else None
+    return {
+        "label": ns.label or cfg.model, "model": cfg.model, "base_url": cfg.base_url,
+        "endpoint": cfg.endpoint, "request_rate": _json_rate(rate), "burstiness": ns.burstiness,
+        "max_concurrency": conc, "num_prompts": num, "seed": ns.seed, "sweep": sweep,
+        "dataset": ns.dataset, "random_input_len": ns.random_input_len,
+        "random_output_len": ns.random_output_len, "random_range_ratio": ns.random_range_ratio,
+        "random_vocab_size": ns.random_vocab_size, "temperature": ns.temperature,
+        "goodput_slos_ms": slos or None,
+    }
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def _print_human(s: dict[str, Any]) -> None:
+    rows = [("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
+            ("Benchmark duration (s)", s["duration_s"]),
+            ("Total input tokens", s["total_input_tokens"]),
+            ("Total generated tokens", s["total_output_tokens"]),
+            ("Request throughput (req/s)", s["request_throughput"]),
+            ("Output token throughput (tok/s)", s["output_throughput"]),
+            ("Total token throughput (tok/s)", s["total_token_throughput"])]
+    if s["request_goodput"] is not None:
+        rows.append(("Request goodput (req/s)", s["request_goodput"]))
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        rows += [(f"{stat.capitalize()} {name.upper()} (ms)", s[f"{stat}_{name}_ms"])
+                 for stat in ("mean", "median", "p90", "p99")]
+    lines = [f"{'=' * 20} serve: {s['label']} {'=' * 20}"]
+    lines += [f"{k:<36}{_fmt(v)}" for k, v in rows]
+    lines += [f"error x{e['count']}: {e['error']}" for e in s["errors"]]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _file_stem(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "serve"
+
+
+def _emit(ns: argparse.Namespace, last: dict[str, Any], points: list[dict[str, Any]]) -> None:
+    """Files, then the last stdout line."""
+    line = json.dumps(last)
+    if ns.output_json:
+        Path(ns.output_json).write_text(line + "\n", encoding="utf-8")
+    if ns.output_dir:
+        out = Path(ns.output_dir) / f"{_file_stem(points[0]['label'])}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(last if "points" in last else _sweep_obj(points), indent=1),
+                       encoding="utf-8")
+        _log(f"wrote {out}")
+    print(line, flush=True)
+
+
+def _sweep_obj(points: list[dict[str, Any]]) -> dict[str, Any]:
+    first = points[0]
+    return {"benchmark": "serve_sweep", "label": first["label"], "model": first["model"],
+            "sweep": first["sweep"], "points": points}
+
+
+def _finish_sweep(ns: argparse.Namespace, points: list[dict[str, Any]]) -> int:
+    from photon.bench.frontier import DEFAULT_PANELS, plot_frontier
+
+    obj = _sweep_obj(points)
+    if ns.output_dir:
+        png = Path(ns.output_dir) / f"{_file_stem(obj['label'])}.png"
+        obj["plot"] = plot_frontier({obj["label"]: points}, str(png),
+                                    ns.plot_panels or DEFAULT_PANELS)
+        _log(f"wrote {png}")
+    _emit(ns, obj, points)
+    return 0
+
+
+def _plot_only(ns: argparse.Namespace) -> int:
+    from photon.bench.frontier import DEFAULT_PANELS, load_series, plot_frontier
+
+    series = load_series(ns.plot_from)
+    path = plot_frontier(series, ns.plot_output, ns.plot_panels or DEFAULT_PANELS)
+    _log(f"wrote {path}: " + ", ".join(f"{k} ({len(v)} points)" for k, v in series.items()))
+    print(json.dumps({"benchmark": "serve_plot", "plot": path, "inputs": ns.plot_from,
+                      "series": {k: len(v) for k, v in series.items()}}), flush=True)
+    return 0

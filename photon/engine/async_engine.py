@@ -1,0 +1,277 @@
+"""AsyncEngine: runs EngineCore's loop in its own thread and gives asyncio callers output streams.
+
+Thread handoff:
+- callers (any asyncio loop) put commands (add / abort / stop) into a `queue.SimpleQueue`; the
+  engine thread is the only one that touches the EngineCore;
+- outputs go back through `loop.call_soon_threadsafe` into the caller's `asyncio.Queue` (a
+  `RequestSink`; one sink may collect several requests, tagged, e.g. every prompt of one HTTP
+  request);
+- with no unfinished work the engine thread blocks on the command queue (no busy spin).
+
+Requests are added in delta mode: each output carries only new tokens/text. If `step()` raises,
+the thread records the error, fails every open stream with `EngineDeadError`, refuses new requests
+and exits; `healthy` turns false.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from photon.engine.engine_core import EngineCore, EngineStats
+from photon.outputs import RequestOutput
+from photon.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped after an internal error; no request can run."""
+
+
+class EngineObserver(Protocol):
+    """Receives engine-thread events (metrics); every method runs on the engine thread."""
+
+    def on_step(self, step_s: float | None, gap_s: float | None, stats: EngineStats) -> None:
+        """After each loop iteration: the step's duration (None: no step ran), the host gap
+        before it (None: the engine was idle or blocked in between) and a stats snapshot."""
+
+    def on_output(self, entry: TrackedRequest, output: RequestOutput, now: float) -> None:
+        """For each output, before it is handed to the caller."""
+
+
+class RequestSink:
+    """Outputs of one or more requests, delivered onto the creating asyncio loop.
+
+    Items are `(tag, RequestOutput)` or `(tag, Exception)`."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[Any, RequestOutput | BaseException]] = asyncio.Queue()
+
+    def put_threadsafe(self, item: tuple[Any, RequestOutput | BaseException]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the caller's loop is closed: nobody is listening any more
+
+
+@dataclass
+class TrackedRequest:
+    """Engine-thread bookkeeping of one live request (timestamps are time.monotonic())."""
+
+    request_id: str
+    sink: RequestSink
+    tag: Any
+    arrival_time: float  # when the server received it
+    num_prompt_tokens: int
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
+class _Add:
+    prompt_ids: list[int]
+    params: SamplingParams
+    entry: TrackedRequest
+    done: Callable[[BaseException | None], None]
+
+
+@dataclass
+class _Counters:
+    """Caller-side view, refreshed by the engine thread after every iteration."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    pending_adds: int = 0  # submitted, not yet taken by the engine thread (caller's loop only)
+
+
+class _NullObserver:
+    def on_step(self, step_s: float | None, gap_s: float | None, stats: EngineStats) -> None:
+        pass
+
+    def on_output(self, entry: TrackedRequest, output: RequestOutput, now: float) -> None:
+        pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: EngineCore, observer: EngineObserver | None = None) -> None:
+        self.engine = engine
+        self.observer: EngineObserver = observer or _NullObserver()
+        self.error: BaseException | None = None
+        self.counters = _Counters()
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._live: dict[str, TrackedRequest] = {}  # engine thread only
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="photon-engine", daemon=True)
+
+    # ---- lifecycle (caller side) ------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if not self._thread.is_alive() and not self._stop:
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._inbox.put(("stop",))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive() and not self._stop
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running yet: in the scheduler's queue or still in the command queue."""
+        return self.counters.num_waiting + self.counters.pending_adds
+
+    # ---- requests (caller side) -------------------------------------------------------------
+    async def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                          sink: RequestSink, tag: Any = None,
+                          arrival_time: float | None = None) -> None:
+        """Queue a request whose outputs go to `sink`; raises the engine's ValueError."""
+        self._check_alive()
+        entry = TrackedRequest(request_id, sink, tag, arrival_time or time.monotonic(),
+                               len(prompt_ids))
+        fut: asyncio.Future[None] = sink.loop.create_future()
+
+        def done(exc: BaseException | None) -> None:
+            try:
+                sink.loop.call_soon_threadsafe(_resolve, fut, exc)
+            except RuntimeError:
+                pass  # the caller's loop is closed
+
+        self.counters.pending_adds += 1
+        try:
+            self._inbox.put(_Add(prompt_ids, params, entry, done))
+            await fut
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the add may still land: abort it right behind
+            raise
+        finally:
+            self.counters.pending_adds -= 1
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (idempotent; unknown or finished ids are ignored)."""
+        self._inbox.put(("abort", request_id))
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """One request's delta outputs; leaving the loop early aborts the request."""
+        sink = RequestSink()
+        await self.add_request(prompt_ids, params, request_id, sink)
+        finished = False
+        try:
+            while not finished:
+                _, item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def _check_alive(self) -> None:
+        if not self.healthy:
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - any failure kills the engine; report it
+            self.error = e
+            self._fail_all(EngineDeadError(f"the engine stopped after an internal error: {e!r}"))
+
+    def _loop(self) -> None:
+        last_end: float | None = None  # end of the previous step, if work remained after it
+        while not self._stop:
+            self._drain_inbox(block=not self.engine.has_unfinished())
+            if self._stop or not self.engine.has_unfinished():
+                self._publish(None, None)  # gauges drop to zero once drained
+                last_end = None
+                continue
+            start = time.monotonic()
+            outputs = self.engine.step()
+            end = time.monotonic()
+            self._dispatch(outputs, end)
+            gap = start - last_end if last_end is not None else None
+            self._publish(end - start, gap)
+            last_end = end if self.engine.has_unfinished() else None
+        self._fail_all(EngineDeadError("the engine is shutting down"))
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            cmd = self._inbox.get() if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: Any) -> None:
+        if isinstance(cmd, _Add):
+            self._handle_add(cmd)
+        elif cmd[0] == "abort":
+            if cmd[1] in self._live:
+                self.engine.abort(cmd[1])
+        elif cmd[0] == "stop":
+            self._stop = True
+
+    def _handle_add(self, cmd: _Add) -> None:
+        if self._stop:
+            cmd.done(EngineDeadError("the engine is shutting down"))
+            return
+        rid = cmd.entry.request_id
+        try:
+            self.engine.add_request(cmd.prompt_ids, cmd.params, rid, delta=True)
+        except Exception as e:  # noqa: BLE001 - a bad request must not kill the engine thread
+            cmd.done(e)
+            return
+        self._live[rid] = cmd.entry
+        cmd.done(None)
+
+    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
+        for out in outputs:
+            entry = self._live.get(out.request_id)
+            if entry is None:
+                continue
+            self.observer.on_output(entry, out, now)
+            entry.sink.put_threadsafe((entry.tag, out))
+            if out.finished:
+                del self._live[out.request_id]
+
+    def _publish(self, step_s: float | None, gap_s: float | None) -> None:
+        stats = self.engine.stats()
+        self.counters.num_waiting = stats.num_waiting
+        self.counters.num_running = stats.num_running
+        self.observer.on_step(step_s, gap_s, stats)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._stop = True
+        for entry in self._live.values():
+            entry.sink.put_threadsafe((entry.tag, exc))
+        self._live.clear()
+        while True:  # adds that never reached the engine
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                cmd.done(exc)
+
+
+def _resolve(fut: asyncio.Future[None], exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)

@@ -1,0 +1,139 @@
+"""FastAPI app factory: `build_app(engine, config)`. No module globals: everything hangs off
+`app.state` (`engine`: the AsyncEngine, `config`: ServerConfig, `metrics`: ServerMetrics)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from photon.engine.async_engine import AsyncEngine
+from photon.server.chat import ChatHandler
+from photon.server.completions import CompletionHandler
+from photon.server.errors import bad_request, error_response, install_handlers
+from photon.server.metrics import ServerMetrics
+from photon.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from photon.server.openai_serving import ServerConfig, Serving
+from photon.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500)}
+# With "stream": true the 200 body is Server-Sent Events: each event's `data` is one JSON chunk
+# (or the final "[DONE]").
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+_STREAMING = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    """The OpenAI-compatible app. Attaches its metrics to `engine` and starts the engine thread
+    (idempotent). The caller owns the engine and shuts it down (`engine.shutdown()`): not the
+    app's lifespan, which in-process ASGI clients may run once per request."""
+    metrics = ServerMetrics(config.served_model_name)
+    engine.observer = metrics
+    engine.start()
+    app = FastAPI(title="photon", version="0.1.0")
+    app.state.engine, app.state.config, app.state.metrics = engine, config, metrics
+    install_handlers(app)
+    _add_middleware(app, config)
+    serving = Serving(engine, config)
+    _add_openai_routes(app, serving)
+    _add_utility_routes(app, serving, metrics)
+    app.openapi = _openapi_without_422(app)
+    return app
+
+
+def _add_middleware(app: FastAPI, config: ServerConfig) -> None:
+    # add_middleware wraps: the last added is the outermost (CORS before auth, for preflights).
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"])
+
+
+def _add_openai_routes(app: FastAPI, serving: Serving) -> None:
+    completions, chat = CompletionHandler(serving), ChatHandler(serving)
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={**_ERRORS, **_STREAMING})
+    async def create_completion(req: CompletionRequest, raw: Request) -> Response:
+        return await completions(req, raw)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={**_ERRORS, **_STREAMING})
+    async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await chat(req, raw)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def list_models() -> dict[str, Any]:
+        cfg = serving.config
+        return {"object": "list", "data": [{
+            "id": cfg.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "photon", "root": serving.core.config.model.model,
+            "max_model_len": cfg.max_model_len}]}
+
+
+def _add_utility_routes(app: FastAPI, serving: Serving, metrics: ServerMetrics) -> None:
+    @app.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
+    async def health() -> Any:
+        if not serving.engine.healthy:
+            return error_response(503, f"the engine has stopped: {serving.engine.error!r}",
+                                  code="engine_dead")
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(req: TokenizeRequest) -> Any:
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            text = serving.chat_prompt(req.messages, req.add_generation_prompt)
+            ids = serving.prompt_ids(text, add_special_tokens=False)
+        else:
+            ids = serving.prompt_ids(req.prompt or "", req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": serving.config.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(req: DetokenizeRequest) -> Any:
+        serving.check_model(req.model)
+        ids = serving.prompt_ids(req.tokens) if req.tokens else []
+        return {"prompt": serving.core.tokenizer.decode(ids)}
+
+
+def _openapi_without_422(app: FastAPI) -> Any:
+    """Validation errors are answered with 400 (OpenAI's shape), so the schema says so."""
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = original()
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
+

@@ -1,0 +1,120 @@
+"""POST /v1/chat/completions: the model's chat template, full or streamed (SSE)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from photon.engine.async_engine import EngineDeadError
+from photon.server.errors import bad_request, error_body
+from photon.server.openai_serving import (
+    ChoiceState,
+    Run,
+    Serving,
+    choice_updates,
+    clamp_logprob,
+    top_entries,
+    usage,
+)
+from photon.server.protocol import ChatCompletionRequest, sse_event
+
+
+class ChatHandler:
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+
+    async def __call__(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        s = self.serving
+        s.check_model(req.model)
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        params = s.sampling_params(req, max_tokens, logprobs)
+        text = s.chat_prompt(req.messages, req.add_generation_prompt)
+        ids = s.prompt_ids(text, add_special_tokens=False)
+        s.check_prompt(ids, params, "messages")
+        run = await s.start([ids], params, "chatcmpl")
+        ctx = _ChatCtx(req, run.id, s, len(ids))
+        return await s.respond(raw, run, req.stream, ctx.events, ctx.collect)
+
+
+class _ChatCtx:
+    def __init__(self, req: ChatCompletionRequest, rid: str, serving: Serving,
+                 num_prompt_tokens: int) -> None:
+        self.req = req
+        self.id = rid
+        self.serving = serving
+        self.created = int(time.time())
+        self.model = serving.config.served_model_name
+        self.num_prompt_tokens = num_prompt_tokens
+
+    def _token(self, tid: int, lp: float) -> dict[str, Any]:
+        text = self.serving.core.tokenizer.decode([tid], skip_special_tokens=False)
+        return {"token": text, "logprob": clamp_logprob(lp), "bytes": list(text.encode())}
+
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None
+                  ) -> dict[str, Any] | None:
+        if entries is None or not self.req.logprobs:
+            return None
+        k = self.req.top_logprobs or 0
+        content = []
+        for tid, entry in zip(token_ids, entries):
+            item = self._token(tid, entry.get(tid, float("-inf")))
+            item["top_logprobs"] = [self._token(t, v) for t, v in top_entries(entry, k)]
+            content.append(item)
+        return {"content": content}
+
+    def _body(self, obj: str, choices: list[dict[str, Any]],
+              final_usage: dict[str, int] | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created,
+                                "model": self.model, "choices": choices}
+        if final_usage is not None or not self.req.stream:
+            body["usage"] = final_usage
+        return body
+
+    async def collect(self, run: Run) -> dict[str, Any]:
+        states: dict[int, ChoiceState] = {}
+        async for tag, out in run.outputs():
+            for idx, c in choice_updates(tag, out, self.req.n):
+                states.setdefault(idx, ChoiceState()).add(
+                    c.token_ids, c.logprobs, c.text, c.finish_reason, c.stop_reason)
+        choices = []
+        for idx in range(self.req.n):
+            st = states.get(idx, ChoiceState())
+            choices.append({"index": idx, "message": {"role": "assistant", "content": st.text},
+                            "logprobs": self._logprobs(st.token_ids or [], st.logprobs),
+                            "finish_reason": st.finish_reason, "stop_reason": st.stop_reason})
+        completion = sum(st.num_tokens for st in states.values())
+        return self._body("chat.completion", choices, usage(self.num_prompt_tokens, completion))
+
+    def _chunk(self, idx: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
+               finish: str | None = None, stop_reason: int | str | None = None) -> str:
+        choice = {"index": idx, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                  "stop_reason": stop_reason}
+        return sse_event(self._body("chat.completion.chunk", [choice], None))
+
+    async def events(self, run: Run) -> AsyncIterator[str]:
+        completion = 0
+        try:
+            for idx in range(self.req.n):
+                yield self._chunk(idx, {"role": "assistant", "content": ""})
+            async for tag, out in run.outputs():
+                for idx, c in choice_updates(tag, out, self.req.n):
+                    completion += len(c.token_ids)
+                    delta = {"content": c.text} if c.text else {}
+                    yield self._chunk(idx, delta, self._logprobs(c.token_ids, c.logprobs),
+                                      c.finish_reason, c.stop_reason)
+            opts = self.req.stream_options
+            if opts is not None and opts.include_usage:
+                body = self._body("chat.completion.chunk", [],
+                                  usage(self.num_prompt_tokens, completion))
+                yield sse_event(body)
+        except EngineDeadError as e:
+            yield sse_event(error_body(500, str(e), code="engine_dead"))
+        yield sse_event("[DONE]")

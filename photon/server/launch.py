@@ -1,0 +1,69 @@
+"""`photon serve`: build the engine, the app and run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+DEFAULT_MAX_BODY = 16 * 1024 * 1024
+
+
+def add_serve(sub: Any) -> None:
+    from photon.cli import add_engine_args
+
+    p = sub.add_parser("serve", allow_abbrev=False, help="Run the OpenAI-compatible HTTP server.",
+                       description="Serve the model over an OpenAI-compatible HTTP API.")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="Address to bind (default 127.0.0.1: local only).")
+    p.add_argument("--port", type=int, default=8000, help="Port (default 8000; 0 = any free).")
+    p.add_argument("--api-key", default=None,
+                   help="Require `Authorization: Bearer KEY` (default: $PHOTON_API_KEY, if set).")
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="Answer 429 once this many requests wait to be scheduled.")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY,
+                   help="Answer 413 for larger request bodies (default 16 MiB).")
+    p.add_argument("--allowed-origins", nargs="*", default=None,
+                   help="Enable CORS for these origins (default: CORS off).")
+    p.add_argument("--log-level", default="info", help="uvicorn log level.")
+    add_engine_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def server_config(ns: argparse.Namespace, served_model_name: str, max_model_len: int) -> Any:
+    from photon.server.openai_serving import ServerConfig
+
+    for name in ("max_queued_requests", "max_request_body_bytes"):
+        if getattr(ns, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    return ServerConfig(served_model_name=served_model_name, max_model_len=max_model_len,
+                        api_key=ns.api_key or os.environ.get("PHOTON_API_KEY") or None,
+                        max_queued_requests=ns.max_queued_requests,
+                        max_request_body_bytes=ns.max_request_body_bytes,
+                        allowed_origins=tuple(ns.allowed_origins or ()))
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from photon.cli import engine_args_from
+    from photon.engine.async_engine import AsyncEngine
+    from photon.engine.engine_core import EngineCore
+    from photon.model.tiny import is_random_weights
+    from photon.server.app import build_app
+
+    config = engine_args_from(ns).create_config()
+    model = config.model
+    scfg = server_config(ns, model.served_model_name, model.max_model_len)
+    if is_random_weights(model.model):
+        print(f"[{model.served_model_name}: RANDOM WEIGHTS - the text is meaningless]",
+              file=sys.stderr)
+    engine = AsyncEngine(EngineCore(config))
+    try:
+        uvicorn.run(build_app(engine, scfg), host=ns.host, port=ns.port,
+                    log_level=ns.log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+    return 0
+

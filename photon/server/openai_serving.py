@@ -1,0 +1,254 @@
+"""Request handling shared by /v1/completions and /v1/chat/completions.
+
+Every prompt of an HTTP request becomes one engine request (with the request's `n`); all of them
+deliver into one `RequestSink`. Leaving a handler for any reason (done, error, client gone) aborts
+whatever is unfinished, so a disconnected client's KV blocks are freed within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from photon.engine.async_engine import AsyncEngine, RequestSink
+from photon.outputs import RequestOutput
+from photon.sampling_params import SamplingParams
+from photon.server.errors import APIError, bad_request
+from photon.server.protocol import ChatMessage, _SamplingFields
+
+_MIN_LOGPROB = -9999.0  # -inf is not JSON
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    max_queued_requests: int = 1024
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    allowed_origins: tuple[str, ...] = ()
+
+
+class Run:
+    """The engine requests of one HTTP request; `outputs()` yields (prompt index, output)."""
+
+    def __init__(self, engine: AsyncEngine, sink: RequestSink, run_id: str,
+                 request_ids: list[str]) -> None:
+        self.id = run_id  # the response's id
+        self.engine = engine
+        self.sink = sink
+        self.request_ids = request_ids
+        self.unfinished = set(request_ids)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self.unfinished:
+            tag, item = await self.sink.queue.get()
+            if isinstance(item, BaseException):
+                self.unfinished.clear()
+                raise item
+            if item.finished:
+                self.unfinished.discard(item.request_id)
+            yield tag, item
+
+    def abort_unfinished(self) -> None:
+        for rid in self.unfinished:
+            self.engine.abort(rid)
+        self.unfinished.clear()
+
+
+class AbortingStream(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however the response ends (even if cancelled
+    before the body iterator started)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class Serving:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.core = engine.engine  # read-only use: tokenizer, config, validation helpers
+        self.config = config
+
+    # ---- checks -------------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model",
+                           code="model_not_found")
+
+    def check_capacity(self) -> None:
+        limit = self.config.max_queued_requests
+        if self.engine.num_waiting >= limit:
+            raise APIError(429, f"too many requests waiting ({self.engine.num_waiting}, limit "
+                                f"{limit}); retry later", code="too_many_queued_requests",
+                           headers={"Retry-After": "1"})
+
+    def sampling_params(self, req: _SamplingFields, max_tokens: int | None,
+                        logprobs: int | None) -> SamplingParams:
+        given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p",
+                                              "presence_penalty", "frequency_penalty",
+                                              "repetition_penalty") if getattr(req, k) is not None}
+        try:
+            params = SamplingParams(
+                n=req.n, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, **given)
+            params.validate_token_ids(self.core.config.model.vocab_size)
+        except ValueError as e:
+            raise bad_request(str(e), param=str(e).split(" ")[0]) from None
+        return params
+
+    def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            return self.core.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        try:
+            return self.core.tokenize_prompt(prompt)[1]
+        except ValueError as e:
+            raise bad_request(str(e), param="prompt") from None
+
+    def check_prompt(self, ids: list[int], params: SamplingParams, param: str) -> None:
+        max_len = self.config.max_model_len
+        if not ids:
+            raise bad_request("the prompt is empty; give at least one token", param)
+        if len(ids) >= max_len:
+            raise bad_request(f"the prompt is {len(ids)} tokens long, but this model's maximum "
+                              f"context length is {max_len} tokens", param)
+        try:
+            self.core.check_fits(len(ids), params.max_tokens)
+        except ValueError as e:
+            raise bad_request(str(e), "max_tokens") from None
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        msgs = [{**m.model_dump(exclude_none=True, exclude={"content"}),
+                 "content": _message_text(m)} for m in messages]
+        try:
+            return self.core.tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=add_generation_prompt)
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - template errors are the request's fault
+            raise bad_request(f"could not apply the chat template: {e}", "messages") from None
+
+    # ---- running ------------------------------------------------------------------------------
+    async def start(self, prompts: list[list[int]], params: SamplingParams, prefix: str) -> Run:
+        self.check_capacity()
+        sink = RequestSink()
+        base = f"{prefix}-{uuid.uuid4().hex}"
+        ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
+        run = Run(self.engine, sink, base, ids)
+        now = time.monotonic()
+        results = await asyncio.gather(*(
+            self.engine.add_request(p, params, rid, sink, tag=i, arrival_time=now)
+            for i, (p, rid) in enumerate(zip(prompts, ids))), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            run.abort_unfinished()
+            if isinstance(errors[0], ValueError):
+                raise bad_request(str(errors[0]), "prompt") from None
+            raise errors[0]
+        return run
+
+    async def respond(self, raw: Request, run: Run, stream: bool,
+                      events: Callable[[Run], AsyncIterator[str]],
+                      collect: Callable[[Run], Awaitable[dict[str, Any]]]) -> Response:
+        if stream:
+            return AbortingStream(events(run), run.abort_unfinished)
+        return await _unless_disconnected(raw, run, collect(run))
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.05)  # an unexpected extra body message: do not spin
+
+
+async def _unless_disconnected(raw: Request, run: Run,
+                               work: Awaitable[dict[str, Any]]) -> Response:
+    """Await the full response, aborting the engine requests if the client goes away."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(raw))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return JSONResponse(task.result())
+        return Response(status_code=499)  # nobody is listening
+    finally:
+        for t in (task, watch):
+            if not t.done():
+                t.cancel()
+        run.abort_unfinished()
+
+
+def _message_text(m: ChatMessage) -> str:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    parts = []
+    for part in m.content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"unsupported content part type {part.type!r}; only text is "
+                              f"supported", "messages")
+        parts.append(part.text)
+    return "\n".join(parts)
+
+
+def clamp_logprob(value: float) -> float:
+    value = float(value)
+    return value if value == value and value > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def top_entries(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass
+class ChoiceState:
+    """What one choice (prompt index x sample index) has received so far."""
+
+    text: str = ""
+    num_tokens: int = 0
+    token_ids: list[int] | None = None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    started: bool = False  # a streaming choice has sent its first chunk (chat: the role)
+
+    def add(self, token_ids: list[int], logprobs: list[dict[int, float]] | None, text: str,
+            finish_reason: str | None, stop_reason: int | str | None) -> None:
+        self.text += text
+        self.num_tokens += len(token_ids)
+        self.token_ids = (self.token_ids or []) + list(token_ids)
+        if logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(logprobs)
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+            self.stop_reason = stop_reason
+
+
+def choice_updates(tag: int, out: RequestOutput, n: int
+                   ) -> list[tuple[int, Any]]:
+    """(choice index, CompletionOutput) for each child with news in this delta output."""
+    return [(tag * n + c.index, c) for c in out.outputs
+            if c.token_ids or c.text or c.finish_reason is not None]

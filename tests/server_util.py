@@ -1,0 +1,61 @@
+"""A live photon server on a loopback port (uvicorn in a background thread, port 0)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from photon.config import EngineArgs
+from photon.engine.async_engine import AsyncEngine
+from photon.engine.engine_core import EngineCore
+from photon.server.app import build_app
+from photon.server.openai_serving import ServerConfig
+
+TINY_ARGS: dict[str, Any] = {"max_model_len": 256, "max_num_seqs": 32, "seed": 0}
+
+
+@dataclass
+class LiveServer:
+    app: FastAPI
+    base_url: str  # http://127.0.0.1:PORT
+    engine: AsyncEngine
+
+    @property
+    def api_url(self) -> str:
+        return self.base_url + "/v1"
+
+
+def make_app(engine_args: dict[str, Any] | None = None, **server: Any) -> FastAPI:
+    config = EngineArgs(**{**TINY_ARGS, **(engine_args or {})}).create_config()
+    scfg = ServerConfig(served_model_name=config.model.served_model_name,
+                        max_model_len=config.model.max_model_len, **server)
+    return build_app(AsyncEngine(EngineCore(config)), scfg)
+
+
+@contextmanager
+def live_server(engine_args: dict[str, Any] | None = None, **server: Any) -> Iterator[LiveServer]:
+    app = make_app(engine_args, **server)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                            timeout_graceful_shutdown=2)
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield LiveServer(app, f"http://127.0.0.1:{port}", app.state.engine)
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        app.state.engine.shutdown()

@@ -1,0 +1,42 @@
+"""schemathesis against the app's own OpenAPI schema (in-process ASGI): no 5xx, and every
+response conforms to the schema (status code, content type, body, headers).
+
+Only conformance checks run: schemathesis' `positive_data_acceptance` would flag requests that are
+schema-valid but semantically invalid (prompt + max_tokens over max_model_len, out-of-vocabulary
+ids), which are correctly answered 400; ranges are SamplingParams' to check, not the schema's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from tests.server_util import make_app
+
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
+          response_schema_conformance, response_headers_conformance]
+
+app = make_app({"max_model_len": 32, "max_num_seqs": 128})
+schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_engine() -> Iterator[None]:
+    yield
+    app.state.engine.shutdown()
+
+
+@schema.parametrize()
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+def test_api_conforms(case: schemathesis.Case) -> None:
+    case.call_and_validate(checks=CHECKS)
