@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -98,19 +97,19 @@ def stub_server() -> Iterator[tuple[str, StubState]]:
     import uvicorn
 
     state = StubState()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(_make_app(state), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    config = uvicorn.Config(_make_app(state), host="127.0.0.1", port=0, log_level="warning",
+                            lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.started, "stub server did not start"
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", state
+    port = server.servers[0].sockets[0].getsockname()[1]  # port 0: the OS picked one
+    yield f"http://127.0.0.1:{port}", state
     server.should_exit = True
     thread.join(timeout=10)
-    sock.close()
 
 
 @pytest.fixture()
@@ -210,6 +209,16 @@ def test_sweep_writes_json_and_png(stub: tuple[str, StubState], capsys: pytest.C
     assert len(saved["points"]) == 2
     png = (tmp_path / "pipelined.png").read_bytes()
     assert png[:8] == PNG_SIGNATURE and len(png) > 1000
+
+
+def test_unreachable_server_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}"]) == 1
+    assert "is the server up?" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- plotting (no server)

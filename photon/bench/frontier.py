@@ -52,7 +52,8 @@ def point_tag(point: dict[str, Any]) -> str:
     """'c=8' for a concurrency sweep point, else 'r=4' (request rate), 'r=inf'."""
     if point.get("sweep") == "max_concurrency" and point.get("max_concurrency"):
         return f"c={point['max_concurrency']}"
-    return f"r={point.get('request_rate')}"
+    rate = point.get("request_rate")
+    return f"r={rate:g}" if isinstance(rate, (int, float)) else f"r={rate}"
 
 
 def _xy(points: list[dict[str, Any]], metric: str) -> list[tuple[float, float, str]]:
@@ -63,6 +64,13 @@ def _xy(points: list[dict[str, Any]], metric: str) -> list[tuple[float, float, s
 
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _axis_label(metric: str) -> str:
+    """'median_tpot_ms' -> 'median TPOT (ms)'."""
+    words = metric.removesuffix("_ms").split("_")
+    unit = " (ms)" if metric.endswith("_ms") else ""
+    return " ".join(w.upper() if w in ("ttft", "tpot", "itl", "e2el") else w for w in words) + unit
 
 
 def _draw_panel(ax: Any, series: dict[str, list[dict[str, Any]]], metric: str) -> None:
@@ -77,7 +85,7 @@ def _draw_panel(ax: Any, series: dict[str, list[dict[str, Any]]], metric: str) -
     if any(k in metric for k in _LOG_PANELS):
         ax.set_yscale("log")
     ax.set_xlabel("output token throughput (tok/s)")
-    ax.set_ylabel(metric.replace("_ms", " (ms)").replace("_", " "))
+    ax.set_ylabel(_axis_label(metric))
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
 

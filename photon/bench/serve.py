@@ -114,7 +114,12 @@ def run_serve(ns: argparse.Namespace) -> int:
         return _plot_only(ns)
     _check_args(ns)
     slos = parse_goodput(ns.goodput)
-    cfg = asyncio.run(_client_config(ns))
+    try:
+        cfg = asyncio.run(_client_config(ns))
+    except Exception as e:  # unreachable server, bad /v1/models: a message, not a traceback
+        _log(f"cannot use {ns.base_url}/v1/models: {type(e).__name__}: {e} "
+             "(is the server up? --wait-server S waits for it)")
+        return 1
     specs = _requests(ns)
     if not asyncio.run(_warmup(cfg, specs, ns.warmup_requests)):
         return 1
