@@ -220,5 +220,5 @@ class EngineCore:
         assert self.pipeline.idle, "a step is still in flight"
         assert self.scheduler.num_unreleased == 0, "finalized requests not yet released"
         assert self.kv.num_used_blocks == 0, f"{self.kv.num_used_blocks} KV blocks still held"
-        assert len(self.runner.free_pool_rows) == len(self.runner.pool_valid), "pool rows leaked"
+        assert len(self.runner.free_pool_rows) == self.runner.num_pool_rows, "pool rows leaked"
         self.kv.check_invariants()

@@ -23,6 +23,7 @@ from photon.engine.request import Request
 from photon.engine.scheduler import CommittedToken, ScheduledRow, SchedulerOutput
 from photon.model.loader import load_model
 from photon.worker.cuda_graph import DecodeGraphs, pad_decode_arrays
+from photon.worker.decode_inputs import RowState, build_decode_arrays, is_plain_decode
 from photon.worker.inputs import StepArrays, build_step_arrays
 from photon.worker.probe import StepMarks, StepProbe
 from photon.worker.sampler import Sampler, SamplingBatch
@@ -69,7 +70,8 @@ class ModelRunner:
         self.pool_width = config.scheduler.max_model_len + 1
         self.token_pool = torch.zeros(num_pool_rows, self.pool_width, dtype=torch.int32,
                                       device=self.device)
-        self.pool_valid = [0] * num_pool_rows
+        self.num_pool_rows = num_pool_rows
+        self.row_state = RowState(num_pool_rows, math.ceil(self.pool_width / self.block_size))
         self.free_pool_rows = list(range(num_pool_rows - 1, -1, -1))
         self.streams = Streams(self.device)
         tokens = config.scheduler.max_num_batched_tokens
@@ -127,7 +129,7 @@ class ModelRunner:
             req = row.request
             if req.pool_row is None:
                 req.pool_row = self.free_pool_rows.pop()
-                self.pool_valid[req.pool_row] = 0
+                self.row_state.assign(req.pool_row, req)
 
     def release(self, req: Request) -> None:
         if req.pool_row is not None:
@@ -140,7 +142,12 @@ class ModelRunner:
         slot = self.slots[self.step_count % 2]
         self.step_count += 1
         self._assign_pool_rows(plan.rows)
-        arrays = build_step_arrays(plan.rows, self.block_size, self.pool_width, self.pool_valid)
+        if is_plain_decode(plan.rows):
+            arrays = build_decode_arrays(plan.rows, self.row_state, self.block_size,
+                                         self.pool_width)
+        else:
+            arrays = build_step_arrays(plan.rows, self.block_size, self.pool_width,
+                                       self.row_state.pool_valid)
         graph_key = None
         if self.graphs is not None and arrays.decode_only:
             graph_key = self.graphs.bucket(len(plan.rows), arrays.ints["block_tables"].shape[1])
