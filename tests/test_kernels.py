@@ -252,7 +252,8 @@ def test_cuda_bf16_layers_match_torch():
     q, k = qkv[:, : 32 * 128].view(33, 32, 128), qkv[:, 32 * 128: 40 * 128].view(33, 8, 128)
     pos = torch.randint(0, 4096, (33,), device=DEVICE)
     for got, want in zip(rope(pos, q, k), rope.forward_torch(pos, q, k), strict=True):
-        torch.testing.assert_close(got, want)
+        # One bf16 ulp apart at most: the kernel fuses the multiply-adds torch rounds separately.
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1.6e-2)
     act, h = SiluAndMul(), randn(33, 2 * 11008, dtype=bf) * 3
     torch.testing.assert_close(act(h), act.forward_torch(h))
 

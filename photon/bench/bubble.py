@@ -44,6 +44,12 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run_bubble, max_model_len=None)
 
 
+def decode_len_needed(ns: argparse.Namespace, batch: int) -> int:
+    """max_model_len that fits a prompt plus every token _start_batch may generate."""
+    prefill_steps = -(-batch * ns.prompt_len // ns.max_num_batched_tokens)
+    return ns.prompt_len + prefill_steps + ns.warmup_steps + ns.steps + 16
+
+
 def _sync(core: EngineCore) -> None:
     if core.runner.device.type == "cuda":
         torch.cuda.synchronize()
@@ -51,13 +57,16 @@ def _sync(core: EngineCore) -> None:
 
 def _start_batch(core: EngineCore, batch: int, ns: argparse.Namespace) -> list[str]:
     rng = random.Random(batch)
-    max_tokens = ns.warmup_steps + ns.steps + 8
+    # Early requests decode while later ones prefill: leave room so that none finishes early.
+    budget = core.config.scheduler.max_num_batched_tokens
+    prefill_steps = -(-batch * ns.prompt_len // budget)
+    max_tokens = prefill_steps + ns.warmup_steps + ns.steps + 8
     ids = []
     for i in range(batch):
         prompt = [rng.randrange(3, 1000) for _ in range(ns.prompt_len)]
         params = SamplingParams(temperature=ns.temperature, seed=i, max_tokens=max_tokens,
                                 ignore_eos=True, detokenize=True)
-        ids.append(core.add_request(prompt, params))
+        ids.append(core.add_request(prompt, params, delta=True))  # streamed, as a server does
     while any(not r.output_token_ids for r in core.scheduler.running) or core.scheduler.waiting:
         core.step()  # prefill until every request decodes
     for _ in range(ns.warmup_steps):
@@ -110,7 +119,7 @@ def run_bubble(ns: argparse.Namespace) -> int:
     if ns.model is None and ns.model_shape is None:
         ns.model_shape = "qwen3-0.6b" if torch.cuda.is_available() else "tiny"
     if ns.max_model_len is None:
-        ns.max_model_len = ns.prompt_len + ns.warmup_steps + ns.steps + 32
+        ns.max_model_len = decode_len_needed(ns, max(ns.batch_sizes))
     ns.max_num_seqs = max(ns.max_num_seqs, *ns.batch_sizes)
     with tempfile.TemporaryDirectory() as tmp:
         args = bench_engine_args(ns, tmp)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from photon.bench.bubble import _start_batch
+from photon.bench.bubble import _start_batch, decode_len_needed
 from photon.bench.cli import add_model_source_args, bench_engine_args, gpu_info
 
 KERNEL_CLASSES: list[tuple[str, re.Pattern[str]]] = [
@@ -78,7 +78,7 @@ def run_profile(ns: argparse.Namespace) -> int:
     if ns.model is None and ns.model_shape is None:
         ns.model_shape = "qwen3-0.6b"
     if ns.max_model_len is None:
-        ns.max_model_len = ns.prompt_len + ns.warmup_steps + ns.steps + 32
+        ns.max_model_len = decode_len_needed(ns, ns.batch_size)
     ns.max_num_seqs = max(ns.max_num_seqs, ns.batch_size)
     with tempfile.TemporaryDirectory() as tmp:
         args = bench_engine_args(ns, tmp)
