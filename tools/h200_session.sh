@@ -8,6 +8,10 @@ OUT="${OUT:-out}"; mkdir -p "$OUT"
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(tests throughput bubble profile)
 log="$OUT/session.log"
 P="python3 -m photon.cli"
+if [ -d .whl ]; then  # packages the GPU image lacks (the server's), carried as wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$log"
 tp() {  # tp NAME ARGS...: one throughput run, JSON summary to $OUT/tp_NAME.json
@@ -18,14 +22,17 @@ for step in "${steps[@]}"; do
   echo "=== $step $(date +%T)" | tee -a "$log"
   case "$step" in
     tests)
-      timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu tests/test_sampler.py \
-        tests/test_triton_attention.py tests/test_kernels.py tests/test_pipeline.py \
-        tests/test_e2e_parity.py 2>&1 | tail -25 | tee -a "$log" ;;
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_sampler.py \
+        tests/test_triton_attention.py tests/test_kernels.py 2>&1 | tail -25 | tee -a "$log" ;;
+    gputests)  # only the GPU-marked tests (CPU ones run in CI)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25 | tee -a "$log" ;;
     throughput)
       tp qwen_pipelined --model-shape qwen3-0.6b
       tp qwen_blocking --model-shape qwen3-0.6b --no-pipelined ;;
     throughput8b)
       tp llama8b_pipelined --model-shape llama-3.1-8b ;;
+    throughput8b_blocking)
+      tp llama8b_blocking --model-shape llama-3.1-8b --no-pipelined ;;
     bubble)
       timeout 150 $P bench bubble --model-shape qwen3-0.6b --output-json "$OUT/bubble_qwen.json" \
         2>&1 | grep -v '^{' | tee -a "$log" ;;
@@ -40,7 +47,26 @@ for step in "${steps[@]}"; do
       timeout 330 python3 .carry/hf_peer.py --model qwen3-0.6b --n 256 --save /tmp/peer-qwen \
         2>&1 | tail -2 | tee -a "$log" "$OUT/peer_hf.json"
       python3 -c "from photon.bench.shapes import attach_tokenizer; attach_tokenizer('/tmp/peer-qwen')"
-      tp peer_weights_pipelined --model /tmp/peer-qwen --dtype bfloat16 ;;
+      tp peer_weights_pipelined --model /tmp/peer-qwen --dtype bfloat16
+      tp peer_weights_blocking --model /tmp/peer-qwen --dtype bfloat16 --no-pipelined ;;
+    serve)
+      # Latency/throughput frontier of `photon serve`, pipelined and blocking servers, loopback.
+      model=/tmp/peer-qwen; [ -d $model ] || model=$($P bench throughput --help >/dev/null; python3 -c "
+from photon.bench.shapes import materialize_shape; print(materialize_shape('qwen3-0.6b', '/tmp'))")
+      extra=(); [ -f $model/model.safetensors ] || extra=(--load-format dummy)
+      for mode in pipelined no-pipelined; do
+        $P serve --model $model "${extra[@]}" --dtype bfloat16 --max-model-len 2048 --port 8123 \
+          --$mode > "$OUT/serve_$mode.log" 2>&1 &
+        pid=$!
+        timeout 150 $P bench serve --base-url http://127.0.0.1:8123 --wait-server 120 \
+          --random-input-len 512 --random-output-len 128 --num-prompts 64 \
+          --sweep-concurrency 4 16 64 --label $mode --output-dir "$OUT/serve" 2>&1 | tail -2 | cut -c1-400 | tee -a "$log"
+        kill $pid; wait $pid
+      done
+      $P bench serve --plot-from "$OUT/serve/pipelined.json" "$OUT/serve/no-pipelined.json" \
+        --plot-output "$OUT/serve/frontier_h200.png" 2>&1 | tail -1 | tee -a "$log"
+      tar czf "$OUT/serve.tgz" -C "$OUT" serve serve_pipelined.log serve_no-pipelined.log \
+        && rm -rf "$OUT/serve" "$OUT"/serve_*.log ;;
   esac
 done
 echo "=== done $(date +%T)" | tee -a "$log"
