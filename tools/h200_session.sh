@@ -51,7 +51,7 @@ for step in "${steps[@]}"; do
       tp peer_weights_blocking --model /tmp/peer-qwen --dtype bfloat16 --no-pipelined ;;
     serve)
       # Latency/throughput frontier of `photon serve`, pipelined and blocking servers, loopback.
-      model=/tmp/peer-qwen; [ -d $model ] || model=$($P bench throughput --help >/dev/null; python3 -c "
+      model=/tmp/peer-qwen; [ -d $model ] || model=$(python3 -c "
 from photon.bench.shapes import materialize_shape; print(materialize_shape('qwen3-0.6b', '/tmp'))")
       extra=(); [ -f $model/model.safetensors ] || extra=(--load-format dummy)
       for mode in pipelined no-pipelined; do
