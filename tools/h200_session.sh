@@ -24,8 +24,12 @@ for step in "${steps[@]}"; do
     tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_sampler.py \
         tests/test_triton_attention.py tests/test_kernels.py 2>&1 | tail -25 | tee -a "$log" ;;
-    gputests)  # only the GPU-marked tests (CPU ones run in CI)
-      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25 | tee -a "$log" ;;
+    gputests)  # only the GPU-marked tests (CPU ones run in CI; server tests need openai)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/test_kernels.py \
+        tests/test_sampler.py tests/test_triton_attention.py 2>&1 | tail -25 | tee -a "$log" ;;
+    bubble_final)
+      timeout 150 $P bench bubble --model-shape qwen3-0.6b --output-mode final \
+        --output-json "$OUT/bubble_qwen_final.json" 2>&1 | grep -v '^{' | tee -a "$log" ;;
     throughput)
       tp qwen_pipelined --model-shape qwen3-0.6b
       tp qwen_blocking --model-shape qwen3-0.6b --no-pipelined ;;

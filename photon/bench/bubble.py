@@ -37,6 +37,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--steps", type=int, default=64, help="Timed decode steps per run.")
     p.add_argument("--warmup-steps", type=int, default=8)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy sampling.")
+    p.add_argument("--output-mode", choices=("final", "delta"), default="final",
+                   help="final: outputs only at the end (offline LLM.generate); delta: every "
+                        "step streams new tokens and text per request (as the server does).")
     p.add_argument("--output-json", default=None, help="Also write all rows to this file.")
     from photon.cli import add_engine_args
 
@@ -66,7 +69,8 @@ def _start_batch(core: EngineCore, batch: int, ns: argparse.Namespace) -> list[s
         prompt = [rng.randrange(3, 1000) for _ in range(ns.prompt_len)]
         params = SamplingParams(temperature=ns.temperature, seed=i, max_tokens=max_tokens,
                                 ignore_eos=True, detokenize=True)
-        ids.append(core.add_request(prompt, params, delta=True))  # streamed, as a server does
+        delta = ns.output_mode == "delta"
+        ids.append(core.add_request(prompt, params, stream=delta, delta=delta))
     while any(not r.output_token_ids for r in core.scheduler.running) or core.scheduler.waiting:
         core.step()  # prefill until every request decodes
     for _ in range(ns.warmup_steps):
@@ -137,6 +141,7 @@ def run_bubble(ns: argparse.Namespace) -> int:
               f"{row['measured_gain']:.2f}x vs predicted {row['predicted_gain']:.2f}x",
               file=sys.stderr)
     summary = {"benchmark": "bubble", "model_shape": ns.model_shape, "model": args.model,
+               "output_mode": ns.output_mode,
                "prompt_len": ns.prompt_len, "steps": ns.steps,
                "enforce_eager": args.enforce_eager, "rows": rows, **gpu_info()}
     if ns.output_json:

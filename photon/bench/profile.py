@@ -45,6 +45,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--warmup-steps", type=int, default=4)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--output-mode", choices=("final", "delta"), default="final",
+                   help="final: outputs only at the end (offline); delta: streamed every step.")
     from photon.cli import add_engine_args
 
     add_engine_args(p)
