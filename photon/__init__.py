@@ -6,6 +6,8 @@ from photon.config import EngineArgs
 from photon.llm import LLM
 from photon.outputs import CompletionOutput, RequestOutput
 from photon.sampling_params import SamplingParams
+from photon.structured.params import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "EngineArgs"]
 __version__ = "0.1.0"

@@ -79,6 +79,8 @@ class EngineConfig:
     pipelined: bool
     enforce_eager: bool
     attention_backend: str
+    structured_outputs_backend: str = "xgrammar"
+    structured_outputs_timeout: float = 30.0
 
     @property
     def pipeline_depth(self) -> int:
@@ -123,6 +125,10 @@ class EngineArgs:
         "Model name reported by the API (default: the model directory's name)."))
     load_format: str = field(default="auto", metadata=_help(
         "auto: read *.safetensors; dummy: random weights of the model's shape (benchmarks)."))
+    structured_outputs_backend: str = field(default="xgrammar", metadata=_help(
+        "Grammar backend for structured outputs (JSON schema, regex, choice, EBNF)."))
+    structured_outputs_timeout: float = field(default=30.0, metadata=_help(
+        "Seconds a request's grammar may take to compile; then the request fails (400)."))
 
     def create_config(self) -> EngineConfig:
         from photon.model.tiny import resolve_model_path
@@ -149,6 +155,10 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not isinstance(self.structured_outputs_timeout, (int, float)) \
+                or not self.structured_outputs_timeout > 0:
+            raise ConfigError(f"structured_outputs_timeout must be a number of seconds > 0, "
+                              f"got {self.structured_outputs_timeout!r}")
         for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override"):
             value = getattr(self, name)
             if value is not None:
@@ -164,6 +174,8 @@ class EngineArgs:
             pipelined=self.pipelined,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
+            structured_outputs_backend=self.structured_outputs_backend,
+            structured_outputs_timeout=float(self.structured_outputs_timeout),
         )
 
     @classmethod

@@ -54,12 +54,21 @@ class LLM:
         try:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
+                    if out.error is not None:
+                        self._fail(ids, out)
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
         finally:
             bar.close()
         return [finished[i] for i in ids]
+
+    def _fail(self, ids: list[str], out: RequestOutput) -> None:
+        """A request failed (e.g. its grammar did not compile): abort the batch, raise."""
+        for rid in ids:
+            self.engine.abort(rid)
+        self._drain()
+        raise ValueError(f"request {out.request_id}: {out.error}")
 
     def _drain(self) -> None:
         while self.engine.has_unfinished():

@@ -35,3 +35,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    error: str | None = None  # set when the request failed (its outputs end with "abort")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from photon.structured.params import StructuredOutputsParams
+
 
 def _check(cond: bool, message: str) -> None:
     if not cond:
@@ -38,6 +40,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, EBNF
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +83,10 @@ class SamplingParams:
                    f"{name} must be in [-2, 2], got {value!r}")
         _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
                f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               f"structured_outputs must be a StructuredOutputsParams, got "
+               f"{type(self.structured_outputs).__name__}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
 

@@ -137,6 +137,14 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def get_vocab(self) -> dict[str, int]:
+        """Token string -> id, added tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def to_str(self) -> str:
+        """The tokenizer.json content (decoder, pre-tokenizer...)."""
+        return self._tok.to_str()
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render the model's Jinja chat template (sandboxed), like HF `tokenize=False`."""

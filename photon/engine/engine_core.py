@@ -18,6 +18,8 @@ import itertools
 import math
 import random
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 from photon.config import EngineConfig
@@ -28,6 +30,7 @@ from photon.engine.request import Request
 from photon.engine.scheduler import Scheduler
 from photon.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from photon.sampling_params import SamplingParams
+from photon.structured.manager import StructuredOutputManager
 from photon.tokenizer import Tokenizer
 from photon.worker.model_runner import ModelRunner
 from photon.worker.sampler import derive_key
@@ -61,6 +64,9 @@ class EngineCore:
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.release)
         self.pipeline = Pipeline(self.scheduler, self.runner, config.pipeline_depth)
+        self.structured = StructuredOutputManager(
+            config.structured_outputs_backend, self.tokenizer, config.model.vocab_size,
+            config.structured_outputs_timeout)
         self._rng = random.Random(config.model.seed)
         self._ids = itertools.count()
         self.parents: dict[str, list[Request]] = {}  # request id -> its n children
@@ -125,6 +131,8 @@ class EngineCore:
                           parent_id=request_id, index=i)
             if params.detokenize or params.stop:
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
+            if params.structured_outputs is not None:  # compiles once per spec (cached)
+                req.grammar = self.structured.request_grammar(params.structured_outputs)
             children.append(req)
             self.scheduler.add(req)
         self.parents[request_id] = children
@@ -145,8 +153,10 @@ class EngineCore:
         return self.scheduler.has_unfinished() or not self.pipeline.idle or bool(self._aborted)
 
     def step(self) -> list[RequestOutput]:
-        touched = self.pipeline.step() if self.scheduler.has_unfinished() or not self.pipeline.idle \
-            else []
+        touched = self._promote_grammars()
+        if (self.scheduler.has_unfinished() and not self.scheduler.only_compiling) \
+                or not self.pipeline.idle:
+            touched += self.pipeline.step()
         parent_ids = dict.fromkeys([*self._aborted, *(r.parent_id for r in touched)])
         self._aborted.clear()
         outputs = []
@@ -163,6 +173,17 @@ class EngineCore:
                 self._delta.pop(pid, None)
         return outputs
 
+    def _promote_grammars(self) -> list[Request]:
+        """Admit requests whose grammar compiled; return those whose grammar failed. When only
+        compiling requests remain, wait briefly for one (there is nothing else to do)."""
+        sched = self.scheduler
+        if not sched.grammar_waiting:
+            return []
+        if sched.only_compiling and self.pipeline.idle:
+            futures = {r.grammar.future for r in sched.grammar_waiting}
+            wait_futures(futures, timeout=0.02, return_when=FIRST_COMPLETED)
+        return sched.promote_grammars()
+
     def make_output(self, parent_id: str) -> RequestOutput:
         children = self.parents[parent_id]
         first = children[0]
@@ -173,8 +194,10 @@ class EngineCore:
             outs = self._cumulative_outputs(children)
         scheduled = [r.scheduled_time for r in children if r.scheduled_time is not None]
         metrics = RequestMetrics(first.arrival_time, min(scheduled) if scheduled else None)
+        error = next((r.error for r in children if r.error is not None), None)
         return RequestOutput(parent_id, first.prompt, list(first.prompt_token_ids), outs,
-                             finished=all(r.finalized for r in children), metrics=metrics)
+                             finished=all(r.finalized for r in children), metrics=metrics,
+                             error=error)
 
     @staticmethod
     def _delta_output(r: Request, state: _DeltaState) -> CompletionOutput:
@@ -209,7 +232,8 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         sched, kv = self.scheduler, self.kv
-        return EngineStats(len(sched.running), len(sched.waiting), kv.usage,
+        return EngineStats(len(sched.running), len(sched.waiting) + len(sched.grammar_waiting),
+                           kv.usage,
                            kv.num_cached_free_blocks, kv.prefix_queries, kv.prefix_hits,
                            sched.num_preemptions)
 

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from photon.engine.detokenizer import IncrementalDetokenizer
     from photon.sampling_params import SamplingParams
+    from photon.structured.manager import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # compiling; not admitted until it is ready
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
@@ -61,6 +63,8 @@ class Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     detokenizer: IncrementalDetokenizer | None = None
+    grammar: RequestGrammar | None = None  # structured outputs: compile state, then matcher
+    error: str | None = None  # why the request failed (e.g. its grammar did not compile)
     first_token_time: float | None = None
     scheduled_time: float | None = None
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from photon.config import SchedulerConfig
 from photon.engine.kv_cache import KVCacheManager
 from photon.engine.request import FinishReason, Request, RequestStatus
+from photon.structured.backend import GrammarError
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Scheduler:
         self.kv = kv
         self.on_release = on_release  # frees what the model runner holds (token-pool row)
         self.waiting: deque[Request] = deque()
+        self.grammar_waiting: list[Request] = []  # grammar still compiling: not admissible yet
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every request not yet released
         self.num_preemptions = 0
@@ -63,7 +65,29 @@ class Scheduler:
     # ---- queue management -------------------------------------------------------------------
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if request.grammar is not None:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.grammar_waiting.append(request)
+        else:
+            self.waiting.append(request)
+
+    def promote_grammars(self) -> list[Request]:
+        """Move requests whose grammar compiled into `waiting`; finalize (ABORT, with `error`)
+        those whose grammar failed or timed out and return them. Others keep compiling."""
+        failed: list[Request] = []
+        for req in list(self.grammar_waiting):
+            try:
+                ready = req.grammar.poll()
+            except GrammarError as e:
+                req.error = str(e)
+                self.finalize(req, FinishReason.ABORT)
+                failed.append(req)
+                continue
+            if ready:
+                self.grammar_waiting.remove(req)
+                req.status = RequestStatus.WAITING
+                self.waiting.append(req)
+        return failed
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
@@ -73,7 +97,12 @@ class Scheduler:
         return req
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.grammar_waiting)
+
+    @property
+    def only_compiling(self) -> bool:
+        """Nothing to plan: every unfinished request waits for its grammar."""
+        return bool(self.grammar_waiting) and not self.waiting and not self.running
 
     @property
     def num_unreleased(self) -> int:
@@ -178,9 +207,19 @@ class Scheduler:
             entry[tok.token_id] = tok.logprob
             req.logprobs.append(entry)
         stop_str = req.detokenizer.update(tok.token_id) if req.detokenizer else None
-        reason = self._check_stop(req, tok.token_id, stop_str)
+        reason = self._advance_grammar(req, tok.token_id) if req.grammar is not None else None
+        reason = reason or self._check_stop(req, tok.token_id, stop_str)
         if reason is not None:
             self.finalize(req, reason)
+
+    @staticmethod
+    def _advance_grammar(req: Request, token_id: int) -> FinishReason | None:
+        """The matcher advances at commit. The mask makes a rejection impossible, so one is an
+        engine bug: the request ends (ABORT, with `error`) instead of the engine."""
+        if not req.grammar.accept(token_id):
+            req.error = f"internal error: the grammar rejected sampled token {token_id}"
+            return FinishReason.ABORT
+        return FinishReason.STOP if req.grammar.is_terminated() else None
 
     def _check_stop(self, req: Request, token_id: int, stop_str: str | None) -> FinishReason | None:
         num_out = len(req.output_token_ids)
@@ -203,6 +242,8 @@ class Scheduler:
         req.finish_reason = reason
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status is RequestStatus.WAITING_FOR_GRAMMAR:
+            self.grammar_waiting.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED

@@ -22,6 +22,7 @@ from photon.outputs import RequestOutput
 from photon.sampling_params import SamplingParams
 from photon.server.errors import APIError, bad_request
 from photon.server.protocol import ChatMessage, _SamplingFields
+from photon.server.structured import precompile, structured_params
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON
 
@@ -100,6 +101,7 @@ class Serving:
 
     def sampling_params(self, req: _SamplingFields, max_tokens: int | None,
                         logprobs: int | None) -> SamplingParams:
+        structured = structured_params(req)
         given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p",
                                               "presence_penalty", "frequency_penalty",
                                               "repetition_penalty") if getattr(req, k) is not None}
@@ -108,7 +110,8 @@ class Serving:
                 n=req.n, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, **given)
+                skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+                structured_outputs=structured, **given)
             params.validate_token_ids(self.core.config.model.vocab_size)
         except ValueError as e:
             raise bad_request(str(e), param=str(e).split(" ")[0]) from None
@@ -148,6 +151,7 @@ class Serving:
     # ---- running ------------------------------------------------------------------------------
     async def start(self, prompts: list[list[int]], params: SamplingParams, prefix: str) -> Run:
         self.check_capacity()
+        await precompile(self.core, params.structured_outputs)
         sink = RequestSink()
         base = f"{prefix}-{uuid.uuid4().hex}"
         ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]

@@ -17,7 +17,7 @@ from photon.sampling_params import SamplingParams
 from photon.worker.inputs import I64, StepArrays
 
 # Integer sampling constants per pool row.
-TOP_K, KEY, PROMPT_LEN, MIN_TOKENS, LOGPROBS, GREEDY, PENALTIES = range(7)
+TOP_K, KEY, PROMPT_LEN, MIN_TOKENS, LOGPROBS, GREEDY, PENALTIES, GRAMMAR = range(8)
 _FLOATS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
 
 
@@ -26,7 +26,7 @@ class RowState:
         self.block_tables = np.zeros((num_rows, max_blocks), dtype=I64)
         self.num_blocks = np.zeros(num_rows, dtype=I64)
         self.pool_valid = np.zeros(num_rows, dtype=I64)  # pool holds tokens [0, pool_valid)
-        self.ints = np.zeros((num_rows, 7), dtype=I64)
+        self.ints = np.zeros((num_rows, 8), dtype=I64)
         self.floats = np.zeros((num_rows, 6), dtype=np.float32)
 
     def assign(self, row: int, req: Request) -> None:
@@ -35,7 +35,7 @@ class RowState:
         self.pool_valid[row] = 0
         self.ints[row] = (p.top_k, req.random_key, req.num_prompt_tokens, p.min_tokens,
                           -1 if p.logprobs is None else p.logprobs, int(p.greedy),
-                          int(p.needs_penalties))
+                          int(p.needs_penalties), int(p.structured_outputs is not None))
         self.floats[row] = p.float_row
 
     def sync_blocks(self, rows: list[ScheduledRow]) -> None:
@@ -58,6 +58,7 @@ def _flags(ints: np.ndarray, floats: np.ndarray) -> dict[str, bool | int]:
         "any_min_p": bool((random_rows & (floats[:, 2] > 0.0)).any()),
         "any_penalties": bool(ints[:, PENALTIES].any()),
         "max_logprobs": int(ints[:, LOGPROBS].max(initial=-1)),
+        "any_grammar": bool(ints[:, GRAMMAR].any()),
     }
 
 

@@ -119,6 +119,7 @@ def _flags(params: list[SamplingParams]) -> dict[str, bool | int]:
         "any_min_p": any(p.min_p > 0.0 and not p.greedy for p in params),
         "any_penalties": any(p.needs_penalties for p in params),
         "max_logprobs": max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        "any_grammar": any(p.structured_outputs is not None for p in params),
     }
 
 

@@ -22,6 +22,8 @@ from photon.config import EngineConfig
 from photon.engine.request import Request
 from photon.engine.scheduler import CommittedToken, ScheduledRow, SchedulerOutput
 from photon.model.loader import load_model
+from photon.structured.backend import bitmask_width
+from photon.structured.bitmask import fill_bitmasks
 from photon.worker.cuda_graph import DecodeGraphs, pad_decode_arrays
 from photon.worker.decode_inputs import RowState, build_decode_arrays, is_plain_decode
 from photon.worker.inputs import StepArrays, build_step_arrays
@@ -75,8 +77,9 @@ class ModelRunner:
         self.free_pool_rows = list(range(num_pool_rows - 1, -1, -1))
         self.streams = Streams(self.device)
         tokens = config.scheduler.max_num_batched_tokens
+        mask_words = bitmask_width(mc.vocab_size)
         self.slots = [StepSlot(i, self.device, max_seqs, MAX_LOGPROBS, 8 * tokens + 16 * max_seqs,
-                               8 * max_seqs) for i in range(2)]
+                               8 * max_seqs, mask_words) for i in range(2)]
         self.sampler = Sampler()
         self.step_count = 0
         self.probe: StepProbe | None = None
@@ -191,6 +194,16 @@ class ModelRunner:
         return self.model(input_ids, dev["positions"], ctx)
 
     # ---- finalize -----------------------------------------------------------------------------
+    def _grammar_bitmask(self, h: StepHandle) -> torch.Tensor | None:
+        """Fill the step's grammar masks on the host (forward t+1 is running meanwhile) from the
+        matchers as of commit(t), and enqueue their H2D. None when no sampling row has a grammar
+        (a host flag): plain steps pay nothing."""
+        if not h.arrays.flags["any_grammar"]:
+            return None
+        n = h.num_sampled
+        fill_bitmasks([h.rows[i] for i in h.arrays.sample_rows], h.slot.mask_host[:n])
+        return h.slot.upload_mask(self.streams, n)
+
     def _sampling_batch(self, h: StepHandle) -> SamplingBatch:
         d, f = h.dev, h.arrays.flags
         return SamplingBatch(
@@ -203,6 +216,7 @@ class ModelRunner:
             all_greedy=bool(f["all_greedy"]), any_top_k=bool(f["any_top_k"]),
             any_top_p=bool(f["any_top_p"]), any_min_p=bool(f["any_min_p"]),
             any_penalties=bool(f["any_penalties"]), max_logprobs=int(f["max_logprobs"]),
+            token_bitmask=self._grammar_bitmask(h),
         )
 
     @torch.inference_mode()

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from photon.kernels import USE_TRITON
+from photon.structured.bitmask import apply_token_bitmask
 
 if USE_TRITON:
     from photon.kernels import sampling as fused_sampling
@@ -63,6 +64,7 @@ class SamplingBatch:
     any_min_p: bool
     any_penalties: bool
     max_logprobs: int  # -1: no row wants logprobs
+    token_bitmask: Tensor | None = None  # [R, ceil(V/32)] int32 grammar masks; None: no grammar
 
 
 @dataclass
@@ -266,7 +268,9 @@ class Sampler:
         if batch.any_penalties:
             logits, owned = apply_penalties(logits, batch), True
         if batch.ban_rows.numel() > 0:  # a shape, not a value: no sync
-            logits = apply_bans(logits if owned else logits.clone(), batch)
+            logits, owned = apply_bans(logits if owned else logits.clone(), batch), True
+        if batch.token_bitmask is not None:
+            logits = apply_token_bitmask(logits if owned else logits.clone(), batch.token_bitmask)
         fused = self.fused if self.fused is not None else logits.is_cuda and USE_TRITON
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)

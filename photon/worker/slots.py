@@ -11,6 +11,11 @@ Fences (CUDA; on CPU every copy is synchronous and every fence a no-op):
                 records S.sampled; copy stream waits S.sampled, D2H S.dev_out -> S.host_out,
                 records S.copy_done
   commit(t):    the host waits S.copy_done: the only host sync of an iteration
+Grammar masks (only in steps where some sampling row has a grammar):
+  finalize(t):  host fills S.mask_host (pinned) from the matchers -> copy stream: H2D
+                S.mask_host -> S.mask_dev, record S.mask_ready; compute stream waits S.mask_ready
+                before sampling. Both buffers are free again at t+2 for the same reason as S.dev_*:
+                commit(t) waited S.copy_done, recorded after this H2D and after S.sampled.
 Reuse of S at t+2 is safe: commit(t) waited S.copy_done, which the copy stream recorded after the
 H2D of step t and after the compute stream's S.sampled (so forward t no longer reads S.dev_*).
 """
@@ -78,7 +83,7 @@ class PackedBuffer:
 
 class StepSlot:
     def __init__(self, index: int, device: torch.device, max_rows: int, max_logprobs: int,
-                 int_numel: int, float_numel: int) -> None:
+                 int_numel: int, float_numel: int, mask_words: int = 0) -> None:
         pin = device.type == "cuda"
         self.index = index
         self.device = device
@@ -91,6 +96,11 @@ class StepSlot:
         self.out_f_dev = torch.zeros(max_rows * (1 + k), dtype=torch.float32, device=device)
         self.out_i_host = torch.zeros_like(self.out_i_dev, device="cpu", pin_memory=pin)
         self.out_f_host = torch.zeros_like(self.out_f_dev, device="cpu", pin_memory=pin)
+        # Next-token grammar bitmask [rows, ceil(V / 32)] int32 (photon.structured.bitmask).
+        self.mask_host = torch.zeros(max_rows, mask_words, dtype=torch.int32, pin_memory=pin)
+        self.mask_dev = torch.zeros(max_rows, mask_words, dtype=torch.int32, device=device) \
+            if pin else self.mask_host
+        self.mask_ready = torch.cuda.Event() if pin else None
         self.h2d_done = torch.cuda.Event() if pin else None
         self.sampled = torch.cuda.Event() if pin else None
         self.copy_done = torch.cuda.Event() if pin else None
@@ -112,6 +122,16 @@ class StepSlot:
                 self.floats.copy_to_device()
                 self.h2d_done.record()
             streams.compute.wait_event(self.h2d_done)
+
+    def upload_mask(self, streams: Streams, rows: int) -> torch.Tensor:
+        """H2D of the first `rows` mask rows on the copy stream, fenced for the compute stream."""
+        if not streams.cuda:
+            return self.mask_host[:rows]
+        with torch.cuda.stream(streams.copy):
+            self.mask_dev[:rows].copy_(self.mask_host[:rows], non_blocking=True)
+            self.mask_ready.record()
+        streams.compute.wait_event(self.mask_ready)
+        return self.mask_dev[:rows]
 
     def output_views(self, rows: int, k: int) -> OutputViews:
         return OutputViews(self.out_i_dev[:rows], self.out_f_dev[:rows],

@@ -1,0 +1,61 @@
+"""Request fields -> StructuredOutputsParams, and the early compile that turns a bad grammar into
+a 400 before any response starts (the engine reuses the cached compile)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from photon.engine.engine_core import EngineCore
+from photon.server.errors import bad_request
+from photon.server.protocol import ResponseFormat, StructuredOutputsRequest, _SamplingFields
+from photon.structured.params import StructuredOutputsParams
+
+
+def structured_params(req: _SamplingFields) -> StructuredOutputsParams | None:
+    so, rf = req.structured_outputs, req.response_format
+    if so is not None and rf is not None and rf.type != "text":
+        raise bad_request("give either response_format or structured_outputs, not both",
+                          "response_format")
+    try:
+        if so is not None:
+            return _from_structured_outputs(so)
+        if rf is not None:
+            return _from_response_format(rf)
+    except ValueError as e:
+        raise bad_request(str(e), "response_format" if rf is not None else
+                          "structured_outputs") from None
+    return None
+
+
+def _from_structured_outputs(so: StructuredOutputsRequest) -> StructuredOutputsParams:
+    return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice,
+                                   grammar=so.grammar, json_object=so.json_object,
+                                   any_whitespace=so.any_whitespace,
+                                   max_whitespace=so.max_whitespace)
+
+
+def _from_response_format(rf: ResponseFormat) -> StructuredOutputsParams | None:
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if rf.json_schema is None or rf.json_schema.schema_ is None:
+        raise ValueError("response_format json_schema needs json_schema.schema")
+    return StructuredOutputsParams(json=rf.json_schema.schema_)
+
+
+async def precompile(core: EngineCore, spec: StructuredOutputsParams | None,
+                     param: str = "structured_outputs") -> None:
+    """Compile on the grammar pool (cached by spec); errors and timeouts are 400s."""
+    if spec is None:
+        return
+    manager = core.structured
+    try:
+        fut = await asyncio.to_thread(manager.compile, spec)  # the first call builds the backend
+        # shield: a timeout must not cancel the shared, cached compile
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), manager.timeout_s)
+    except asyncio.TimeoutError:
+        raise bad_request(f"grammar compilation timed out after {manager.timeout_s:g} s "
+                          f"(structured_outputs_timeout)", param) from None
+    except ValueError as e:
+        raise bad_request(str(e), param) from None

@@ -1,0 +1,106 @@
+"""StructuredOutputManager: compiles grammars off the engine thread, caches them by spec, and
+hands each sequence its own matcher once its grammar is ready.
+
+- `compile(spec)` returns a `concurrent.futures.Future` shared by every request with an equal spec
+  (the cache holds futures, so a second request for a grammar still compiling waits for the same
+  compile). It is thread-safe: the server awaits it on the event loop to answer 400 early.
+- `RequestGrammar` is the per-sequence state the scheduler sees: `poll()` says whether the grammar
+  is ready, failed (with the message) or still compiling; after that the matcher advances at
+  commit and fills the next-token bitmask at finalize.
+- A compile that outlives `timeout_s` (measured from the request's arrival) fails that request
+  with a GrammarError; the thread keeps running and its result may still serve later requests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from photon.structured.backend import GrammarBackend, GrammarError, GrammarMatcher, create_backend
+from photon.structured.params import StructuredOutputsParams
+from photon.tokenizer import Tokenizer
+
+CACHE_ENTRIES = 1024
+
+
+class StructuredOutputManager:
+    def __init__(self, backend: str, tokenizer: Tokenizer, vocab_size: int, timeout_s: float,
+                 max_workers: int = 2) -> None:
+        self.backend_name = backend
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        self._backend: GrammarBackend | None = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="photon-grammar")
+
+    @property
+    def backend(self) -> GrammarBackend:
+        """Created on first use (building the backend's vocabulary tables takes a moment)."""
+        with self._lock:
+            if self._backend is None:
+                self._backend = create_backend(self.backend_name, self.tokenizer, self.vocab_size)
+            return self._backend
+
+    def compile(self, spec: StructuredOutputsParams) -> Future:
+        key = spec.key()
+        backend = self.backend
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is None or fut.cancelled():
+                fut = self._pool.submit(backend.compile, spec)
+                self._cache[key] = fut
+                if len(self._cache) > CACHE_ENTRIES:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+            return fut
+
+    def request_grammar(self, spec: StructuredOutputsParams) -> RequestGrammar:
+        return RequestGrammar(self, self.compile(spec), time.monotonic() + self.timeout_s)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RequestGrammar:
+    """One sequence's grammar: compiling, then a matcher over its committed output tokens."""
+
+    def __init__(self, manager: StructuredOutputManager, future: Future, deadline: float) -> None:
+        self.manager = manager
+        self.future = future
+        self.deadline = deadline
+        self.matcher: GrammarMatcher | None = None
+
+    def poll(self) -> bool:
+        """True once the matcher is ready; False while compiling; raises GrammarError."""
+        if self.matcher is not None:
+            return True
+        if not self.future.done():
+            if time.monotonic() >= self.deadline:
+                raise GrammarError(f"grammar compilation timed out after "
+                                   f"{self.manager.timeout_s:g} s (structured_outputs_timeout)")
+            return False
+        if self.future.cancelled():
+            raise GrammarError("grammar compilation was cancelled (the engine is shutting down)")
+        exc = self.future.exception()
+        if exc is not None:
+            raise exc if isinstance(exc, GrammarError) else GrammarError(str(exc))
+        self.matcher = self.manager.backend.matcher(self.future.result())
+        return True
+
+    def accept(self, token_id: int) -> bool:
+        assert self.matcher is not None, "a token was committed before the grammar was ready"
+        return self.matcher.accept(token_id)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        assert self.matcher is not None
+        self.matcher.fill_bitmask(bitmask, index)
+
+    def is_terminated(self) -> bool:
+        return self.matcher is not None and self.matcher.is_terminated()

@@ -1,0 +1,113 @@
+"""The xgrammar backend. Tokenizer info is built from photon's own tokenizer (tokenizer.json's
+vocabulary and decoder type), so `transformers` is never needed at run time."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from photon.structured.backend import GrammarError, register_backend
+from photon.structured.params import StructuredOutputsParams
+from photon.tokenizer import Tokenizer
+
+
+def _vocab_type(tokenizer: Tokenizer) -> tuple[xgr.VocabType, bool]:
+    """(vocab type, add_prefix_space) from the tokenizer.json decoder."""
+    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+    parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+    types = {p.get("type") for p in parts if isinstance(p, dict)}
+    if "ByteLevel" in types:
+        return xgr.VocabType.BYTE_LEVEL, False
+    if "ByteFallback" in types:
+        return xgr.VocabType.BYTE_FALLBACK, any(t in types for t in ("Metaspace", "Strip"))
+    return xgr.VocabType.RAW, False
+
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
+    vocab = tokenizer.get_vocab()
+    size = max(vocab_size, max(vocab.values()) + 1)
+    encoded = [""] * size
+    for token, idx in vocab.items():
+        # Special tokens (chat markers...) must never appear inside constrained text: an empty
+        # entry makes xgrammar treat them as special. Stop tokens are allowed separately.
+        encoded[idx] = "" if idx in tokenizer.all_special_ids else token
+    vocab_type, prefix_space = _vocab_type(tokenizer)
+    stops = sorted(tokenizer.eos_token_ids) or None
+    return xgr.TokenizerInfo(encoded[:vocab_size], vocab_type, vocab_size=vocab_size,
+                             stop_token_ids=stops, add_prefix_space=prefix_space)
+
+
+class XGrammarMatcher:
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._m = xgr.GrammarMatcher(compiled)
+
+    def accept(self, token_id: int) -> bool:
+        return self._m.accept_token(token_id)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, index)
+
+    def is_terminated(self) -> bool:
+        return self._m.is_terminated()
+
+
+class XGrammarBackend:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.info = tokenizer_info(tokenizer, vocab_size)
+        # photon's manager caches compiled grammars by spec; one cache is enough.
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+
+    def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        try:
+            return self._compile(spec)
+        except Exception as e:  # noqa: BLE001 - any compile failure is the request's fault
+            raise GrammarError(f"invalid {spec.kind} for structured outputs: "
+                               f"{_clean(str(e))}") from None
+
+    def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        ws: dict[str, Any] = {"any_whitespace": spec.any_whitespace,
+                              "max_whitespace_cnt": spec.max_whitespace}
+        if spec.json is not None:
+            return self.compiler.compile_grammar(_json_schema_grammar(spec.json, ws))
+        if spec.json_object:
+            return self.compiler.compile_grammar(
+                _json_schema_grammar({"type": "object"}, {**ws, "strict_mode": False}))
+        if spec.regex is not None:
+            return self.compiler.compile_regex(spec.regex)
+        if spec.choice is not None:
+            alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+            return self.compiler.compile_grammar(f"root ::= {alts}")
+        return self.compiler.compile_grammar(spec.grammar)
+
+    def matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
+        return XGrammarMatcher(compiled)
+
+
+# xgrammar (0.2.x) spells a character of a length-bounded JSON string (maxLength/minLength) with a
+# class that excludes only the quote, backslash, CR and LF, so raw control characters (which JSON
+# forbids; json.loads rejects them) get through; its unbounded strings exclude 0x00-0x1f. Patch the
+# bounded class to match.
+_BOUNDED_CHAR = r'[^\"\\\r\n]'
+_JSON_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def _json_schema_grammar(schema: Any, options: dict[str, Any]) -> xgr.Grammar:
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), **options)
+    text = str(grammar)
+    if _BOUNDED_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_CHAR, _JSON_CHAR))
+
+
+def _clean(message: str) -> str:
+    """Drop xgrammar's '[time] /path/file.cc:line: ' prefix from an error message."""
+    head, sep, rest = message.partition(".cc:")
+    if sep and head.startswith("["):
+        return rest.split(": ", 1)[-1].strip()
+    return message.strip()
+
+
+register_backend("xgrammar")(XGrammarBackend)

@@ -1,0 +1,202 @@
+"""Structured outputs with random weights: the grammar alone makes every output valid (JSON schema,
+regex, choice, EBNF), the grammar's end finishes the request with "stop", and bad grammars or slow
+compiles fail their own request with a clear error while the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import jsonschema
+import pytest
+
+from photon import LLM, SamplingParams
+from photon.structured.params import StructuredOutputsParams as SO
+
+SEEDS = range(8)
+SCHEMAS = [
+    {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
+     "required": ["name", "age", "tags"]},
+    {"type": "object", "properties": {
+        "ok": {"type": "boolean"},
+        "point": {"type": "object", "properties": {
+            "x": {"type": "integer", "minimum": -5, "maximum": 5},
+            "y": {"type": "integer", "minimum": -5, "maximum": 5}}, "required": ["x", "y"]},
+        "color": {"enum": ["red", "green", "blue"]},
+        "note": {"type": "string", "maxLength": 4}},
+     "required": ["ok", "point", "color"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+     "minItems": 1, "maxItems": 4},
+]
+REGEX = r"[a-z]{1,8}@[a-z]{2,5}\.(com|org)"
+CHOICES = ["yes", "no", "maybe so", "yes please"]
+ARITH = r"""
+root ::= expr
+expr ::= term (op term){0,3}
+term ::= num | "(" inner ")"
+inner ::= num (op num){0,3}
+op ::= "+" | "-" | "*"
+num ::= [1-9] [0-9]{0,2} | "0"
+"""
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(max_model_len=512, max_num_seqs=16)
+
+
+def _generate(llm: LLM, spec: SO, max_tokens: int = 300) -> list[tuple[str, str | None]]:
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens,
+                             structured_outputs=spec) for s in SEEDS]
+    outs = llm.generate([f"Answer {s}:" for s in SEEDS], params, use_tqdm=False)
+    llm.engine.assert_drained()
+    return [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["person", "nested", "array"])
+def test_json_schema_outputs_validate(llm: LLM, schema: dict) -> None:
+    for text, finish in _generate(llm, SO(json=schema)):
+        assert finish == "stop", (text, finish)
+        jsonschema.validate(json.loads(text), schema)
+        assert "\n" not in text and "  " not in text  # whitespace is bounded by default
+
+
+def test_json_object(llm: LLM) -> None:
+    spec = SO(json_object=True)
+    params = SamplingParams(temperature=0, max_tokens=120, structured_outputs=spec)
+    out = llm.generate("{", params, use_tqdm=False)[0].outputs[0]
+    assert out.text.startswith("{")  # an object starts; it may be cut by max_tokens
+
+
+def test_regex_outputs_fullmatch(llm: LLM) -> None:
+    for text, finish in _generate(llm, SO(regex=REGEX)):
+        assert finish == "stop" and re.fullmatch(REGEX, text), (text, finish)
+
+
+def test_choice_outputs(llm: LLM) -> None:
+    for text, finish in _generate(llm, SO(choice=CHOICES)):
+        assert finish == "stop" and text in CHOICES, (text, finish)
+
+
+def _parse_arith(text: str) -> None:
+    """A tiny recursive-descent parser of ARITH (nesting unbounded): raises on mismatch."""
+    pos = 0
+
+    def num() -> None:
+        nonlocal pos
+        m = re.compile(r"0|[1-9][0-9]{0,2}").match(text, pos)
+        assert m, f"number expected at {pos} in {text!r}"
+        pos = m.end()
+
+    def seq(item) -> None:  # item (op item){0,3}
+        nonlocal pos
+        item()
+        for _ in range(3):
+            if pos < len(text) and text[pos] in "+-*":
+                pos += 1
+                item()
+
+    def term() -> None:
+        nonlocal pos
+        if text.startswith("(", pos):
+            pos += 1
+            seq(num)
+            assert text.startswith(")", pos), f"')' expected at {pos} in {text!r}"
+            pos += 1
+        else:
+            num()
+
+    seq(term)
+    assert pos == len(text), f"trailing text at {pos} in {text!r}"
+
+
+def test_ebnf_outputs_parse(llm: LLM) -> None:
+    for text, finish in _generate(llm, SO(grammar=ARITH)):
+        assert finish == "stop", (text, finish)
+        _parse_arith(text)
+
+
+def test_any_whitespace_bounded(llm: LLM) -> None:
+    schema = SCHEMAS[2]
+    for text, finish in _generate(llm, SO(json=schema, any_whitespace=True, max_whitespace=2)):
+        assert finish == "stop" and not re.search(r"\s{3}", text), text
+        jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({}, "exactly one"), ({"regex": "a", "choice": ["a"]}, "exactly one"),
+    ({"choice": []}, "non-empty"), ({"choice": "ab"}, "list of strings"),
+    ({"json": "{not json"}, "invalid JSON"), ({"regex": "a", "max_whitespace": 0}, ">= 1"),
+])
+def test_params_validation(kwargs: dict, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        SO(**kwargs)
+
+
+@pytest.mark.parametrize("spec, words", [
+    (SO(json={"type": "foo"}), "invalid json"),
+    (SO(regex="(ab"), "invalid regex"),
+    (SO(grammar="root ::= undefined_rule"), "invalid grammar"),
+])
+def test_invalid_grammar_raises_and_engine_keeps_serving(llm: LLM, spec: SO, words: str) -> None:
+    plain = SamplingParams(temperature=0, max_tokens=8)
+    with pytest.raises(ValueError, match=words):
+        llm.generate(["a", "b"], [SamplingParams(structured_outputs=spec), plain], use_tqdm=False)
+    llm.engine.assert_drained()
+    good = SamplingParams(temperature=0, max_tokens=50, structured_outputs=SO(choice=CHOICES))
+    assert llm.generate("ok", good, use_tqdm=False)[0].outputs[0].text in CHOICES
+    llm.engine.assert_drained()
+
+
+def _slow_compiles(llm: LLM, monkeypatch: pytest.MonkeyPatch, delay: float) -> None:
+    backend = llm.engine.structured.backend
+    orig = backend.compile
+
+    def slow(spec: SO):  # noqa: ANN202
+        if spec.regex is not None:
+            time.sleep(delay)
+        return orig(spec)
+
+    monkeypatch.setattr(backend, "compile", slow)
+
+
+def test_compile_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(max_model_len=256, structured_outputs_timeout=0.1)
+    _slow_compiles(llm, monkeypatch, 0.6)
+    core = llm.engine
+    core.add_request("slow", SamplingParams(structured_outputs=SO(regex="[0-9]{3}")), "slow")
+    core.add_request("plain", SamplingParams(temperature=0, max_tokens=4), "plain")
+    outs = {}
+    while core.has_unfinished():  # EngineCore reports the failure; it does not raise
+        outs.update({o.request_id: o for o in core.step() if o.finished})
+    assert "timed out" in outs["slow"].error and outs["slow"].outputs[0].finish_reason == "abort"
+    assert outs["plain"].error is None and len(outs["plain"].outputs[0].token_ids) == 4
+    core.assert_drained()
+    with pytest.raises(ValueError, match="structured_outputs_timeout"):
+        llm.generate("x", SamplingParams(structured_outputs=SO(regex="[a-z]{3}")), use_tqdm=False)
+    time.sleep(0.6)  # the slow compiles still occupy the (2-thread) compile pool until then
+    good = SamplingParams(temperature=0, max_tokens=20, structured_outputs=SO(choice=["x", "y"]))
+    assert llm.generate("ok", good, use_tqdm=False)[0].outputs[0].text in ("x", "y")
+    core.assert_drained()
+
+
+def test_compiling_request_does_not_block_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(max_model_len=256)
+    _slow_compiles(llm, monkeypatch, 0.5)
+    core = llm.engine
+    regex = "[0-9]{2}"
+    core.add_request("g", SamplingParams(structured_outputs=SO(regex=regex), seed=1), "g")
+    core.add_request("p", SamplingParams(temperature=0, max_tokens=6), "p")
+    order = []
+    while core.has_unfinished():
+        order += [o.request_id for o in core.step() if o.finished]
+    assert order == ["p", "g"]  # the plain request ran while the grammar compiled
+    core.assert_drained()
+    # The compile is cached by spec: a second request with it is admitted at once.
+    t0 = time.monotonic()
+    out = llm.generate("x", SamplingParams(structured_outputs=SO(regex=regex)), use_tqdm=False)
+    assert re.fullmatch(regex, out[0].outputs[0].text) and time.monotonic() - t0 < 0.4

@@ -1,0 +1,89 @@
+"""Grammar requests through the pipeline: pipelined (depth 2) and blocking (depth 1) give identical
+tokens and finish reasons when grammar requests are mixed with plain ones (the mask depends only
+on committed tokens), under preemption and aborts, with the zombie/release invariants checked."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from photon import SamplingParams
+from photon.structured.params import StructuredOutputsParams as SO
+from tests.test_pipeline import Spec, _engine, run
+
+SCHEMA = {"type": "object", "properties": {
+    "id": {"type": "integer", "minimum": 0, "maximum": 999},
+    "label": {"type": "string", "maxLength": 6},
+    "kind": {"enum": ["x", "y"]}}, "required": ["id", "label", "kind"]}
+REGEX = r"[0-9]{1,4}(\.[0-9]{1,2})?"
+
+
+def _specs() -> list[Spec]:
+    rng = random.Random(5)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, 1000) for _ in range(n)]
+
+    def so(spec: SO, seed: int, **kw: object) -> SamplingParams:
+        return SamplingParams(temperature=1.0, seed=seed, max_tokens=120, structured_outputs=spec,
+                              **kw)
+
+    return [
+        Spec(prompt(6), so(SO(json=SCHEMA), 1)),
+        Spec(prompt(40), SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)),
+        Spec(prompt(9), so(SO(regex=REGEX), 2, n=2)),
+        Spec(prompt(12), so(SO(choice=["alpha", "beta", "gamma delta"]), 3)),
+        Spec(prompt(30), SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)),
+        Spec(prompt(7), so(SO(json=SCHEMA), 4, logprobs=2)),
+        Spec(prompt(15), so(SO(json=SCHEMA), 5), abort_after=4),
+        Spec(prompt(20), so(SO(grammar='root ::= "(" [a-c]{1,5} ")" | [0-9]{2}'), 6)),
+        Spec(prompt(10), so(SO(json=SCHEMA), 7, stop=['"kind"'])),  # a stop string ends it first
+        Spec(prompt(5), SamplingParams(temperature=0, max_tokens=1)),
+    ]
+
+
+def test_grammar_pipelined_equals_blocking() -> None:
+    specs = _specs()
+    kw = dict(block_size=4, max_num_batched_tokens=24, max_num_seqs=6, num_gpu_blocks_override=40)
+    blocking, _ = run(_engine(False, **kw), specs)
+    engine = _engine(True, **kw)
+    pipelined, audit = run(engine, specs)
+    assert pipelined == blocking
+    assert audit.zombie_rows > 0
+    assert engine.engine.scheduler.num_preemptions > 0  # the small cache forced preemption
+    tok = engine.engine.tokenizer
+    for rid in ("r0", "r5"):
+        ids, finish = blocking[rid][0]
+        assert finish == "stop"
+        jsonschema.validate(json.loads(tok.decode(ids)), SCHEMA)
+    for ids, finish in blocking["r2"]:
+        assert finish == "stop" and re.fullmatch(REGEX, tok.decode(ids))
+    assert blocking["r3"][0][1] == "stop"
+    assert tok.decode(blocking["r3"][0][0]) in ("alpha", "beta", "gamma delta")
+    assert blocking["r6"][0][1] == "abort" and len(blocking["r6"][0][0]) == 4
+    assert tok.decode(blocking["r8"][0][0]).endswith('"kind"')
+
+
+_GRAMMARS = [SO(json=SCHEMA), SO(regex=REGEX), SO(choice=["on", "off", "onward"]), None, None]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kinds=st.lists(st.tuples(st.integers(0, len(_GRAMMARS) - 1), st.integers(0, 2**31),
+                                st.lists(st.integers(3, 999), min_size=1, max_size=30),
+                                st.one_of(st.none(), st.integers(1, 6))),
+                      min_size=1, max_size=6),
+       budget=st.sampled_from([8, 32]), tight=st.booleans())
+def test_grammar_pipelined_equals_blocking_property(kinds: list, budget: int, tight: bool) -> None:
+    specs = [Spec(prompt, SamplingParams(temperature=1.0, seed=seed, max_tokens=60,
+                                         structured_outputs=_GRAMMARS[k]), abort)
+             for k, seed, prompt, abort in kinds]
+    kw = dict(block_size=4, max_num_batched_tokens=budget, max_num_seqs=4,
+              num_gpu_blocks_override=26 if tight else None)
+    blocking, _ = run(_engine(False, **kw), specs)
+    pipelined, _ = run(_engine(True, **kw), specs)
+    assert pipelined == blocking
