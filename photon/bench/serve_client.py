@@ -93,7 +93,10 @@ class _Stream:
             self.usage_seen = True
             self.record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
             self.record.output_tokens = int(usage.get("completion_tokens") or 0)
-        if chunk_text(data, self.chat):
+        # A chunk that carries a choice's text counts as a token arrival even when that text is
+        # empty: with a tokenizer that cannot spell every id (random-weight shapes served with
+        # photon-tiny's tokenizer), requiring non-empty text would push TTFT to the end.
+        if chunk_text(data, self.chat) is not None:
             if self.record.ttft is None:
                 self.record.ttft = now - self.sent
             else:
