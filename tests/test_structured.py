@@ -200,3 +200,28 @@ def test_compiling_request_does_not_block_others(monkeypatch: pytest.MonkeyPatch
     t0 = time.monotonic()
     out = llm.generate("x", SamplingParams(structured_outputs=SO(regex=regex)), use_tqdm=False)
     assert re.fullmatch(regex, out[0].outputs[0].text) and time.monotonic() - t0 < 0.4
+
+
+def test_min_tokens_does_not_fight_the_grammar(llm: LLM) -> None:
+    """A choice grammar ends after a few tokens; min_tokens far beyond that must not ban the EOS
+    the grammar requires (grammar rows are exempt from min_tokens bans)."""
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=64, min_tokens=50,
+                             structured_outputs=SO(choice=CHOICES)) for s in SEEDS]
+    outs = llm.generate([f"Pick {s}:" for s in SEEDS], params, use_tqdm=False)
+    assert all(o.outputs[0].text in CHOICES for o in outs)
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+    llm.engine.assert_drained()
+
+
+def test_grammar_rows_get_no_min_tokens_bans() -> None:
+    from types import SimpleNamespace
+
+    from photon.worker.inputs import min_tokens_bans
+
+    def row(structured: SO | None) -> SimpleNamespace:
+        params = SamplingParams(min_tokens=5, stop_token_ids=[9], structured_outputs=structured)
+        return SimpleNamespace(request=SimpleNamespace(params=params,
+                                                       eos_token_ids=frozenset({2})))
+
+    rows, ids = min_tokens_bans([row(None), row(SO(choice=CHOICES)), row(None)], [0, 1, 2])
+    assert rows.tolist() == [0, 0, 2, 2] and ids.tolist() == [2, 9, 2, 9]

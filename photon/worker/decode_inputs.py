@@ -14,7 +14,7 @@ import numpy as np
 from photon.engine.request import Request
 from photon.engine.scheduler import ScheduledRow
 from photon.sampling_params import SamplingParams
-from photon.worker.inputs import I64, StepArrays
+from photon.worker.inputs import I64, StepArrays, min_tokens_bans
 
 # Integer sampling constants per pool row.
 TOP_K, KEY, PROMPT_LEN, MIN_TOKENS, LOGPROBS, GREEDY, PENALTIES, GRAMMAR = range(8)
@@ -62,20 +62,6 @@ def _flags(ints: np.ndarray, floats: np.ndarray) -> dict[str, bool | int]:
     }
 
 
-def _bans(rows: list[ScheduledRow], counters: np.ndarray, min_tokens: np.ndarray
-          ) -> tuple[np.ndarray, np.ndarray]:
-    """(row, token) pairs banned while a row's output count is below its min_tokens."""
-    ban_rows: list[int] = []
-    ban_tokens: list[int] = []
-    for i in np.nonzero(counters < min_tokens)[0].tolist():
-        req = rows[i].request
-        p = req.params
-        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))
-        ban_rows.extend([i] * len(banned))
-        ban_tokens.extend(sorted(banned))
-    return np.asarray(ban_rows, dtype=I64), np.asarray(ban_tokens, dtype=I64)
-
-
 def build_decode_arrays(rows: list[ScheduledRow], state: RowState, block_size: int,
                         pool_width: int) -> StepArrays:
     """Every row has one query token and samples (callers check `is_plain_decode` first)."""
@@ -91,7 +77,8 @@ def build_decode_arrays(rows: list[ScheduledRow], state: RowState, block_size: i
     tables = state.block_tables[pr, :width]
     slots = tables[np.arange(n), start // block_size] * block_size + start % block_size
     ints_pr, floats_pr = state.ints[pr], state.floats[pr]
-    ban_rows, ban_tokens = _bans(rows, counters, ints_pr[:, MIN_TOKENS])
+    below = np.nonzero(counters < ints_pr[:, MIN_TOKENS])[0].tolist()
+    ban_rows, ban_tokens = min_tokens_bans(rows, below)
     ints = {
         "positions": start, "pool_idx": pr * pool_width + start, "slot_mapping": slots,
         "write_idx": write_idx, "write_ids": write_ids, "seq_lens": seq_lens,

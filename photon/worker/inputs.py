@@ -97,18 +97,29 @@ def _sampling_arrays(rows: list[ScheduledRow], pool_width: int
         "sample_pool_idx": _i64([q.pool_row * pool_width + r.seq_len
                                  for q, r in zip(reqs, srows)]),
     }
-    ban_rows: list[int] = []
-    ban_tokens: list[int] = []
-    for i, (row, p) in enumerate(zip(srows, params)):
-        if row.out_index < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(row.request.eos_token_ids))
-            ban_rows.extend([i] * len(banned))
-            ban_tokens.extend(sorted(banned))
-    ints["ban_rows"], ints["ban_tokens"] = _i64(ban_rows), _i64(ban_tokens)
+    ints["ban_rows"], ints["ban_tokens"] = min_tokens_bans(
+        srows, [i for i, r in enumerate(srows) if r.out_index < r.request.params.min_tokens])
     table = np.array([p.float_row for p in params], dtype=np.float32).reshape(len(params), 6)
     floats = {name: table[:, i] for i, name in enumerate(
         ("temperature", "top_p", "min_p", "presence", "frequency", "repetition"))}
     return ints, floats, _flags(params)
+
+
+def min_tokens_bans(rows: list[ScheduledRow], below: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(row, token) pairs to ban for the rows still under their min_tokens: EOS (unless
+    ignore_eos) and the stop ids. Grammar rows are exempt: their grammar decides where the output
+    may end, and banning EOS there could leave no legal token at all."""
+    ban_rows: list[int] = []
+    ban_tokens: list[int] = []
+    for i in below:
+        req = rows[i].request
+        p = req.params
+        if p.structured_outputs is not None:
+            continue
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))
+        ban_rows.extend([i] * len(banned))
+        ban_tokens.extend(sorted(banned))
+    return _i64(ban_rows), _i64(ban_tokens)
 
 
 def _flags(params: list[SamplingParams]) -> dict[str, bool | int]:
