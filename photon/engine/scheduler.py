@@ -19,7 +19,7 @@ from photon.engine.request import FinishReason, Request, RequestStatus
 from photon.structured.backend import GrammarError
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRow:
     request: Request
     start: int  # first position computed this step
@@ -43,7 +43,7 @@ class SchedulerOutput:
         return not self.rows
 
 
-@dataclass
+@dataclass(slots=True)
 class CommittedToken:
     token_id: int
     logprob: float | None = None
@@ -112,25 +112,31 @@ class Scheduler:
     def plan(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        for req in list(self.running):
+        running = RequestStatus.RUNNING
+        for req in list(self.running):  # a copy: preemption edits the list
             if budget == 0:
                 break
-            if req.status is RequestStatus.RUNNING and not req.done_planning:
-                budget -= self._plan_running(req, budget, out)
+            # Inlined Request.num_planned_outputs / num_known_tokens: this loop runs for every
+            # running request every step.
+            n_out = len(req.output_token_ids) + req.num_pending
+            if req.status is not running or n_out >= req.max_tokens:
+                continue  # preempted this step, or every output already sampled
+            known = len(req.prompt_token_ids) + n_out
+            num_new = min(known - req.num_computed_tokens, budget)
+            if num_new > 0 and self._reserve(req, num_new):
+                self._add_row(req, num_new, out)
+                budget -= num_new
         self._admit_waiting(budget, out)
         return out
 
-    def _plan_running(self, req: Request, budget: int, out: SchedulerOutput) -> int:
-        num_new = min(req.num_known_tokens - req.num_computed_tokens, budget)
-        if num_new <= 0:
-            return 0
+    def _reserve(self, req: Request, num_new: int) -> bool:
+        """KV blocks for the row, preempting lower-priority requests if needed."""
         while not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):
             victim = self._pick_victim(req)
             self.preempt(victim)
             if victim is req or not victim.released:
-                return 0  # blocks come back once the victim's in-flight step commits
-        self._add_row(req, num_new, out)
-        return num_new
+                return False  # blocks come back once the victim's in-flight step commits
+        return True
 
     def _pick_victim(self, req: Request) -> Request:
         """Lowest-priority running request not yet planned this step (they come after `req`);
@@ -193,10 +199,12 @@ class Scheduler:
                     touched.append(req)
             req.inflight_refs -= 1
             if req.status is RequestStatus.RUNNING:
-                known = min(req.num_computed_tokens, req.num_committed_tokens)
+                known = min(req.num_computed_tokens,
+                            len(req.prompt_token_ids) + len(req.output_token_ids))
                 if self.kv.needs_publish(req.request_id, known):
                     self.kv.cache_blocks(req.request_id, req.all_token_ids, known)
-            self._maybe_release(req)
+            elif req.inflight_refs == 0:
+                self._maybe_release(req)  # only preempted or finished requests release
         return touched
 
     def _append(self, req: Request, tok: CommittedToken) -> None:
