@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session on the H200 test machine: GPU tests, then benchmarks; logs and JSON under $OUT.
-# Usage: OUT=/some/dir bash tools/h200_session.sh [tests|bubble|bubble8b|throughput|throughput8b|profile|peer ...]
+# Usage: OUT=/some/dir bash tools/h200_session.sh STEP... (steps: see the case below)
+# First run tools/fetch_gpu_wheels.sh here and carry .whl and .carry to the device.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PHOTON_CACHE_DIR="${PHOTON_CACHE_DIR:-/tmp/photon-cache}"
@@ -33,6 +34,9 @@ for step in "${steps[@]}"; do
     throughput)
       tp qwen_pipelined --model-shape qwen3-0.6b
       tp qwen_blocking --model-shape qwen3-0.6b --no-pipelined ;;
+    structured)  # issue 6: JSON-schema decode tok/s, pipelined vs blocking vs unconstrained
+      timeout 240 $P bench structured --model-shape qwen3-0.6b --batch-sizes 32 128 \
+        --output-json "$OUT/structured_qwen.json" 2>&1 | grep -v '^{' | tee -a "$log" ;;
     throughput8b)
       tp llama8b_pipelined --model-shape llama-3.1-8b ;;
     throughput8b_blocking)

@@ -10,6 +10,7 @@ from typing import Any
 BENCHMARKS: dict[str, str] = {
     "bubble": "photon.bench.bubble",
     "profile": "photon.bench.profile",
+    "structured": "photon.bench.structured",
     "serve": "photon.bench.serve",
     "throughput": "photon.bench.throughput",
 }
