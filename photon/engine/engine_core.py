@@ -195,7 +195,9 @@ class EngineCore:
         scheduled = [r.scheduled_time for r in children if r.scheduled_time is not None]
         metrics = RequestMetrics(first.arrival_time, min(scheduled) if scheduled else None)
         error = next((r.error for r in children if r.error is not None), None)
-        return RequestOutput(parent_id, first.prompt, list(first.prompt_token_ids), outs,
+        # Delta outputs go out every step: share the prompt ids instead of copying them each time.
+        prompt_ids = first.prompt_token_ids if state is not None else list(first.prompt_token_ids)
+        return RequestOutput(parent_id, first.prompt, prompt_ids, outs,
                              finished=all(r.finalized for r in children), metrics=metrics,
                              error=error)
 
