@@ -147,3 +147,27 @@ def test_pipelined_equals_blocking_property(specs: list[Spec], block_size: int, 
     blocking, _ = run(_engine(False, **kw), specs)
     pipelined, _ = run(_engine(True, **kw), specs)
     assert pipelined == blocking
+
+
+def test_abort_of_a_preempted_waiting_request_leaves_nothing_behind() -> None:
+    """A request preempted (and already released) then aborted while waiting must still leave the
+    scheduler's bookkeeping (regression: it stayed in `requests` forever)."""
+    llm = _engine(False, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
+                  num_gpu_blocks_override=12)
+    core = llm.engine
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ids = [core.add_request([rng.randrange(3, 1000) for _ in range(8)], params) for _ in range(3)]
+    victim = None
+    for _ in range(200):
+        core.step()
+        victim = next((r for r in core.scheduler.waiting if r.released and r.num_preemptions), None)
+        if victim is not None:
+            break
+    assert victim is not None, "the tight cache should have preempted a request"
+    core.abort(victim.parent_id)
+    while core.has_unfinished():
+        core.step()
+    core.assert_drained()
+    assert victim.finish_reason is not None and victim.finish_reason.value == "abort"
+    assert set(ids) >= {victim.parent_id}

@@ -258,13 +258,16 @@ class Scheduler:
         self._maybe_release(req)
 
     def _maybe_release(self, req: Request) -> None:
-        """Invariant: KV blocks and the pool row are released only when nothing in flight reads them."""
-        if req.inflight_refs > 0 or req.released:
+        """Invariant: KV blocks and the pool row are released only when nothing in flight reads them.
+        A preempted request may already be released when it is finalized (aborted while waiting):
+        then only its bookkeeping entry goes."""
+        if req.inflight_refs > 0:
             return
         if req.status not in (RequestStatus.PREEMPTED, RequestStatus.FINISHED):
             return
-        self.kv.free(req.request_id)
-        self.on_release(req)
-        req.released = True
+        if not req.released:
+            self.kv.free(req.request_id)
+            self.on_release(req)
+            req.released = True
         if req.finalized:
             self.requests.pop(req.request_id, None)
