@@ -51,9 +51,12 @@ class ForwardContext:
 
 
 class AttentionBackend(ABC):
+    """A backend supplies three kernels; `forward` sequences them the same way for every backend:
+    the step's K/V are written first, so attention reads them (and earlier chunks, prefix-cache
+    hits) from the pages. `decode` must not read device values on the host (CUDA graphs)."""
+
     name: str = ""
 
-    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -63,7 +66,25 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write k/v into kv_cache at metadata.slot_mapping, then attend causally over the pages."""
+        self.write_kv(k, v, kv_cache, metadata.slot_mapping)
+        if metadata.decode_only:
+            return self.decode(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale)
+        return self.prefill(q, kv_cache, metadata, scale)
+
+    @abstractmethod
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store the step's K/V at their cache slots."""
+
+    @abstractmethod
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """One query token per sequence, attending to its first seq_len cached positions."""
+
+    @abstractmethod
+    def prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """Varlen causal attention (prefill, chunked prefill, mixed batches) over the pages."""
 
     def supports(self, device: torch.device) -> bool:
         return True

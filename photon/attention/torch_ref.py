@@ -25,24 +25,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
-class TorchReferenceBackend(AttentionBackend):
-    name = "torch"
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        write_kv(k, v, kv_cache, metadata.slot_mapping)
-        if metadata.decode_only:
-            return decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale)
-        return varlen_attention(q, kv_cache, metadata, scale)
-
-
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per sequence: q [B, H, D] -> [B, H, D]. No host syncs (graph-capturable)."""
@@ -90,3 +72,11 @@ def _sequence_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         q.float().transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
         enable_gqa=num_heads != num_kv_heads)  # [H, q_len, D]
     return out.transpose(0, 1).to(q.dtype)
+
+
+class TorchReferenceBackend(AttentionBackend):
+    name = "torch"
+
+    write_kv = staticmethod(write_kv)
+    decode = staticmethod(decode_attention)
+    prefill = staticmethod(varlen_attention)

@@ -320,19 +320,9 @@ class TritonPagedBackend(AttentionBackend):
     # Decode cost follows seq_lens, not the block-table width: one graph per batch size suffices.
     decode_cost_depends_on_width = False
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        write_kv(k, v, kv_cache, metadata.slot_mapping)
-        if metadata.decode_only:
-            return decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale)
-        return varlen_attention(q, kv_cache, metadata, scale)
+    write_kv = staticmethod(write_kv)
+    decode = staticmethod(decode_attention)
+    prefill = staticmethod(varlen_attention)
 
     def supports(self, device: torch.device) -> bool:
         return torch.device(device).type == "cuda" or _interpreting()
