@@ -81,6 +81,7 @@ class EngineConfig:
     attention_backend: str
     structured_outputs_backend: str = "xgrammar"
     structured_outputs_timeout: float = 30.0
+    structured_outputs_threads: int | None = None
 
     @property
     def pipeline_depth(self) -> int:
@@ -129,6 +130,9 @@ class EngineArgs:
         "Grammar backend for structured outputs (JSON schema, regex, choice, EBNF)."))
     structured_outputs_timeout: float = field(default=30.0, metadata=_help(
         "Seconds a request's grammar may take to compile; then the request fails (400)."))
+    structured_outputs_threads: int | None = field(default=None, metadata=_help(
+        "Threads that advance grammar matchers and fill their masks each step (default: half "
+        "the CPU cores, at most 8)."))
 
     def create_config(self) -> EngineConfig:
         from photon.model.tiny import resolve_model_path
@@ -159,7 +163,8 @@ class EngineArgs:
                 or not self.structured_outputs_timeout > 0:
             raise ConfigError(f"structured_outputs_timeout must be a number of seconds > 0, "
                               f"got {self.structured_outputs_timeout!r}")
-        for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override"):
+        for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override",
+                     "structured_outputs_threads"):
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value)
@@ -176,6 +181,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             structured_outputs_backend=self.structured_outputs_backend,
             structured_outputs_timeout=float(self.structured_outputs_timeout),
+            structured_outputs_threads=self.structured_outputs_threads,
         )
 
     @classmethod

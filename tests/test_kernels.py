@@ -234,6 +234,23 @@ def test_all_minus_inf_row_gives_token_zero_like_argmax():
     assert fused.tolist() == ref.tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("rows,vocab,words", [(3, 100, 4), (5, 5000, 157), (2, 4097, 200)])
+def test_bitmask_apply_matches_torch(rows, vocab, words):
+    from photon.kernels.bitmask import apply_token_bitmask_
+    from photon.structured.bitmask import apply_token_bitmask
+
+    g = torch.Generator().manual_seed(vocab)
+    mask = torch.randint(-2**31, 2**31, (rows, words), generator=g, dtype=torch.int64)
+    mask = mask.to(torch.int32).to(DEVICE)
+    mask[0] = -1  # an unconstrained row
+    mask[-1, 1:] = 0  # a row allowing only tokens 0..31's set bits
+    logits = randn(rows, vocab, seed=3)
+    want = apply_token_bitmask(logits.clone(), mask)
+    got = apply_token_bitmask_(logits.clone(), mask)
+    assert torch.equal(got, want)
+    assert torch.isinf(got[-1, 32:]).all() and not torch.isinf(got[0]).any()
+
+
 # ----------------------------------------------------------------------------- CUDA (bf16)
 
 

@@ -225,3 +225,25 @@ def test_grammar_rows_get_no_min_tokens_bans() -> None:
 
     rows, ids = min_tokens_bans([row(None), row(SO(choice=CHOICES)), row(None)], [0, 1, 2])
     assert rows.tolist() == [0, 0, 2, 2] and ids.tolist() == [2, 9, 2, 9]
+
+
+def test_mask_never_allows_ids_past_the_tokenizer(llm: LLM) -> None:
+    """photon-tiny's model is 1,024 wide, its tokenizer 1,000: xgrammar sees the 1,000 ids only
+    (its accept scans special ids, so padding would cost per token), and the mask row's words
+    past them are zeroed, so padding ids can never be sampled under a grammar."""
+    import torch
+
+    from photon.structured.backend import bitmask_width
+
+    manager = llm.engine.structured
+    assert manager.vocab_size == 1024 and manager.backend.info.vocab_size == 1000
+    grammar = manager.request_grammar(SO(regex="[a-z]+"))
+    grammar.future.result()
+    assert grammar.poll()
+    mask = torch.full((3, bitmask_width(1024)), -1, dtype=torch.int32)
+    grammar.fill_bitmask(mask, 1)
+    allowed = [v for v in range(1024) if (int(mask[1, v // 32]) >> (v % 32)) & 1]
+    tok = llm.engine.tokenizer
+    assert allowed and max(allowed) < 1000
+    assert all(re.fullmatch("[a-z]+", tok.decode([v])) for v in allowed)
+    assert (mask[0] == -1).all() and (mask[2] == -1).all()  # other rows untouched

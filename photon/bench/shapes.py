@@ -1,8 +1,10 @@
 """Built-in model shapes for benchmarks: real architectures' configs with random weights.
 
-`materialize_shape()` writes a model directory holding only config.json and photon-tiny's
-tokenizer files; the engine loads it with load_format="dummy" (no checkpoint is read or written).
-Token ids beyond the tokenizer's vocabulary detokenize to nothing, so detokenization still runs.
+`materialize_shape()` writes a model directory holding only config.json and tokenizer files; the
+engine loads it with load_format="dummy" (no checkpoint is read or written). The large shapes get
+the benchmark BPE tokenizer (~120k tokens, photon.bench.tokenizer), so detokenization and grammar
+masks cost what a real vocabulary costs; `tiny` gets photon-tiny's. Ids past the tokenizer's
+vocabulary (the model's padding) detokenize to nothing.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import shutil
 from typing import Any
 
+from photon.bench.tokenizer import ensure_bench_tokenizer
 from photon.model.tiny import ensure_photon_tiny
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -48,16 +51,16 @@ def materialize_shape(name: str, out_dir: str) -> str:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump({**SHAPES[name], "photon_random_weights": True}, f, indent=2)
-    return attach_tokenizer(path)
+    return attach_tokenizer(path, small=name == "tiny")
 
 
-def attach_tokenizer(model_dir: str) -> str:
-    """Give a tokenizer-less model dir (e.g. a peer benchmark's saved weights) photon-tiny's
-    byte-level tokenizer, so the engine can load it and detokenize (ids past 1024 decode to "")."""
-    tiny = ensure_photon_tiny()
+def attach_tokenizer(model_dir: str, small: bool = False) -> str:
+    """Give a tokenizer-less model dir (e.g. a peer benchmark's saved weights) the benchmark
+    BPE tokenizer (`small`: photon-tiny's), so the engine can load it and detokenize."""
+    source = ensure_photon_tiny() if small else ensure_bench_tokenizer()
     for fname in ("tokenizer.json", "tokenizer_config.json"):
         if not os.path.exists(os.path.join(model_dir, fname)):
-            shutil.copy(os.path.join(tiny, fname), os.path.join(model_dir, fname))
+            shutil.copy(os.path.join(source, fname), os.path.join(model_dir, fname))
     return model_dir
 
 

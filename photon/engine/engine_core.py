@@ -59,14 +59,15 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.model.model)
-        self.runner = ModelRunner(config)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                 config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.release)
-        self.pipeline = Pipeline(self.scheduler, self.runner, config.pipeline_depth)
         self.structured = StructuredOutputManager(
             config.structured_outputs_backend, self.tokenizer, config.model.vocab_size,
-            config.structured_outputs_timeout)
+            config.structured_outputs_timeout, row_threads=config.structured_outputs_threads)
+        self.runner = ModelRunner(config, grammar_rows=self.structured.rows)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.release,
+                                   grammar_rows=self.structured.rows)
+        self.pipeline = Pipeline(self.scheduler, self.runner, config.pipeline_depth)
         self._rng = random.Random(config.model.seed)
         self._ids = itertools.count()
         self.parents: dict[str, list[Request]] = {}  # request id -> its n children
@@ -245,6 +246,7 @@ class EngineCore:
         assert not self.scheduler.has_unfinished(), "requests still running or waiting"
         assert self.pipeline.idle, "a step is still in flight"
         assert self.scheduler.num_unreleased == 0, "finalized requests not yet released"
+        assert self.scheduler.num_grammar_requests == 0, "grammar requests still counted"
         assert self.kv.num_used_blocks == 0, f"{self.kv.num_used_blocks} KV blocks still held"
         assert len(self.runner.free_pool_rows) == self.runner.num_pool_rows, "pool rows leaked"
         self.kv.check_invariants()

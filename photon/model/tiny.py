@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -147,32 +148,39 @@ def default_cache_dir() -> str:
 
 def ensure_photon_tiny(cache_dir: str | None = None) -> str:
     """Return the photon-tiny directory, generating it first if it is missing or incomplete."""
+    return ensure_generated(_DIR_NAME, _FILES, write_photon_tiny, cache_dir)
+
+
+def ensure_generated(dir_name: str, files: tuple[str, ...], write: Callable[[str], None],
+                     cache_dir: str | None = None) -> str:
+    """`$cache/dir_name`, written by `write(tmp_dir)` into a temporary sibling and renamed into
+    place unless every one of `files` is already there (atomic; racing writers are harmless)."""
     root = os.path.abspath(cache_dir or default_cache_dir())
-    final = os.path.join(root, _DIR_NAME)
-    if _is_complete(final):
+    final = os.path.join(root, dir_name)
+    if _is_complete(final, files):
         return final
     os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{_DIR_NAME}.tmp-", dir=root)
+    tmp = tempfile.mkdtemp(prefix=f".{dir_name}.tmp-", dir=root)
     try:
-        write_photon_tiny(tmp)
-        _install(tmp, final)
+        write(tmp)
+        _install(tmp, final, files)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op when the rename succeeded
     return final
 
 
-def _is_complete(path: str) -> bool:
-    return all(os.path.isfile(os.path.join(path, name)) for name in _FILES)
+def _is_complete(path: str, files: tuple[str, ...]) -> bool:
+    return all(os.path.isfile(os.path.join(path, name)) for name in files)
 
 
-def _install(tmp: str, final: str) -> None:
+def _install(tmp: str, final: str, files: tuple[str, ...]) -> None:
     """Atomically rename `tmp` to `final`; losing a race to another process is fine."""
-    if os.path.isdir(final) and not _is_complete(final):
+    if os.path.isdir(final) and not _is_complete(final, files):
         shutil.rmtree(final, ignore_errors=True)  # left over by a foreign/partial writer
     try:
         os.rename(tmp, final)
     except OSError:
-        if not _is_complete(final):  # someone else won the race only if `final` is complete
+        if not _is_complete(final, files):  # someone else won the race only if it is complete
             raise
 
 
@@ -251,8 +259,9 @@ def _tokenizer_config(special: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def build_tokenizer() -> Any:
-    """Train the byte-level BPE on the built-in corpus. Deterministic: see test_tiny_tokenizer."""
+def build_tokenizer(vocab_size: int = _TOKENIZER_VOCAB, texts: Iterable[str] = (_CORPUS,)) -> Any:
+    """Train a byte-level BPE with the ChatML specials at ids 0-2 on `texts` (default: the
+    built-in corpus). Deterministic: see test_tiny_tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -260,10 +269,10 @@ def build_tokenizer() -> Any:
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=_TOKENIZER_VOCAB, min_frequency=1, show_progress=False,
+        vocab_size=vocab_size, min_frequency=1, show_progress=False,
         special_tokens=list(_SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([_CORPUS], trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
 

@@ -12,13 +12,16 @@ import torch
 
 if TYPE_CHECKING:
     from photon.engine.scheduler import ScheduledRow
+    from photon.structured.rows import GrammarRowPool
 
 ALLOW_ALL = -1
 
 
-def fill_bitmasks(rows: list[ScheduledRow], bitmask: torch.Tensor) -> None:
+def fill_bitmasks(rows: list[ScheduledRow], bitmask: torch.Tensor, pool: GrammarRowPool) -> None:
     """Row j of `bitmask` (CPU int32 [R, W]) for the j-th sampling row, from the matcher state
-    committed so far: every output before the row's `out_index` has been accepted."""
+    committed so far: every output before the row's `out_index` has been accepted. The grammar
+    rows' fills run on `pool`'s threads."""
+    todo: list[int] = []
     for j, row in enumerate(rows):
         req = row.request
         grammar = req.grammar
@@ -27,7 +30,13 @@ def fill_bitmasks(rows: list[ScheduledRow], bitmask: torch.Tensor) -> None:
             continue
         assert len(req.output_token_ids) == row.out_index, \
             "grammar mask built before the previous token was committed"
-        grammar.fill_bitmask(bitmask, j)
+        todo.append(j)
+
+    def fill(k: int) -> None:
+        j = todo[k]
+        rows[j].request.grammar.fill_bitmask(bitmask, j)
+
+    pool.run(fill, len(todo))
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

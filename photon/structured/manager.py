@@ -22,6 +22,7 @@ import torch
 
 from photon.structured.backend import GrammarBackend, GrammarError, GrammarMatcher, create_backend
 from photon.structured.params import StructuredOutputsParams
+from photon.structured.rows import GrammarRowPool, default_threads
 from photon.tokenizer import Tokenizer
 
 CACHE_ENTRIES = 1024
@@ -29,7 +30,7 @@ CACHE_ENTRIES = 1024
 
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: Tokenizer, vocab_size: int, timeout_s: float,
-                 max_workers: int = 2) -> None:
+                 max_workers: int = 2, row_threads: int | None = None) -> None:
         self.backend_name = backend
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -38,6 +39,8 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="photon-grammar")
+        # Per-step matcher work (accept at commit, fill at finalize), used by scheduler and runner.
+        self.rows = GrammarRowPool(row_threads or default_threads())
 
     @property
     def backend(self) -> GrammarBackend:
@@ -66,6 +69,7 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.rows.shutdown()
 
 
 class RequestGrammar:

@@ -24,6 +24,7 @@ from photon.engine.scheduler import CommittedToken, ScheduledRow, SchedulerOutpu
 from photon.model.loader import load_model
 from photon.structured.backend import bitmask_width
 from photon.structured.bitmask import fill_bitmasks
+from photon.structured.rows import GrammarRowPool
 from photon.worker.cuda_graph import DecodeGraphs, pad_decode_arrays
 from photon.worker.decode_inputs import RowState, build_decode_arrays, is_plain_decode
 from photon.worker.inputs import StepArrays, build_step_arrays
@@ -53,8 +54,9 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, grammar_rows: GrammarRowPool | None = None) -> None:
         self.config = config
+        self.grammar_rows = grammar_rows or GrammarRowPool(1)  # threads for grammar-mask fills
         self.device = torch.device(config.device)
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
@@ -201,7 +203,8 @@ class ModelRunner:
         if not h.arrays.flags["any_grammar"]:
             return None
         n = h.num_sampled
-        fill_bitmasks([h.rows[i] for i in h.arrays.sample_rows], h.slot.mask_host[:n])
+        fill_bitmasks([h.rows[i] for i in h.arrays.sample_rows], h.slot.mask_host[:n],
+                      self.grammar_rows)
         return h.slot.upload_mask(self.streams, n)
 
     def _sampling_batch(self, h: StepHandle) -> SamplingBatch:

@@ -22,6 +22,7 @@ from photon.kernels import USE_TRITON
 from photon.structured.bitmask import apply_token_bitmask
 
 if USE_TRITON:
+    from photon.kernels import bitmask as fused_bitmask
     from photon.kernels import sampling as fused_sampling
 
 GREEDY_EPS = 1e-5  # rows with temperature below this are greedy (matches SamplingParams.greedy)
@@ -269,9 +270,10 @@ class Sampler:
             logits, owned = apply_penalties(logits, batch), True
         if batch.ban_rows.numel() > 0:  # a shape, not a value: no sync
             logits, owned = apply_bans(logits if owned else logits.clone(), batch), True
-        if batch.token_bitmask is not None:
-            logits = apply_token_bitmask(logits if owned else logits.clone(), batch.token_bitmask)
         fused = self.fused if self.fused is not None else logits.is_cuda and USE_TRITON
+        if batch.token_bitmask is not None:
+            apply = fused_bitmask.apply_token_bitmask_ if fused else apply_token_bitmask
+            logits = apply(logits if owned else logits.clone(), batch.token_bitmask)
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
         elif fused:

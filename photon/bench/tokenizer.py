@@ -1,0 +1,54 @@
+"""A benchmark tokenizer with a realistic vocabulary for the large built-in shapes.
+
+photon-tiny's 1,000-token tokenizer on a 151,936-wide model makes every sampled id past 1,000
+detokenize to nothing and gives grammar backends a toy vocabulary, so host costs that scale with
+the vocabulary (detokenization, grammar masks) would be understated. This one is a byte-level BPE
+(ChatML specials at ids 0-2, like photon-tiny) trained with the same code on the running Python's
+standard-library sources: ~31 MB of code, docstrings and prose, giving ~120k tokens when asked for
+Qwen's 151,643 (the trainer stops when the corpus has no pair left to merge). Nothing is
+downloaded; it is built once (seconds) into `$PHOTON_CACHE_DIR`, one directory per Python version
+because the corpus is that version's standard library.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import sysconfig
+from collections.abc import Iterator
+
+from photon.model.tiny import _tokenizer_config, _write_json, build_tokenizer, ensure_generated
+
+TARGET_VOCAB = 151_643
+_FILES = ("tokenizer.json", "tokenizer_config.json")
+_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def _dir_name() -> str:
+    return f"photon-bench-bpe-v1-py{sys.version_info.major}{sys.version_info.minor}"
+
+
+def stdlib_texts() -> Iterator[str]:
+    """The standard library's .py sources in path order (third-party packages excluded)."""
+    root = sysconfig.get_paths()["stdlib"]
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        if "site-packages" in path or "dist-packages" in path:
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                yield f.read()
+        except (OSError, UnicodeDecodeError):
+            continue
+
+
+def write_bench_tokenizer(out_dir: str) -> None:
+    tok = build_tokenizer(TARGET_VOCAB, stdlib_texts())
+    tok.save(os.path.join(out_dir, "tokenizer.json"), pretty=False)
+    _write_json(out_dir, "tokenizer_config.json",
+                _tokenizer_config({t: tok.token_to_id(t) for t in _SPECIALS}))
+
+
+def ensure_bench_tokenizer(cache_dir: str | None = None) -> str:
+    """Directory holding the benchmark tokenizer's two files (built on first use)."""
+    return ensure_generated(_dir_name(), _FILES, write_bench_tokenizer, cache_dir)
