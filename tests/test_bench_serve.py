@@ -160,6 +160,14 @@ def test_goodput_slo_excludes(stub: tuple[str, StubState],
     assert s["goodput_slos_ms"] == {"tpot": 1.0}
 
 
+def test_warmup_requests_run_before_the_timed_ones(stub: tuple[str, StubState],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    url, state = stub
+    s = _bench(capsys, "--base-url", url, "--num-prompts", "2", "--random-output-len", "3",
+               "--random-input-len", "4", "--warmup-requests", "5")
+    assert s["completed"] == 2 and len(state.bodies) == 7  # 5 warm-ups (one, then four at once)
+
+
 def test_chat_endpoint_and_api_key(stub: tuple[str, StubState], capsys: pytest.CaptureFixture[str],
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     url, state = stub

@@ -68,7 +68,7 @@ from photon.bench.shapes import materialize_shape; print(materialize_shape('qwen
         pid=$!
         timeout 150 $P bench serve --base-url http://127.0.0.1:8123 --wait-server 120 \
           --random-input-len 512 --random-output-len 128 --num-prompts 64 \
-          --sweep-concurrency 4 16 64 --label $mode --output-dir "$OUT/serve" 2>&1 | tail -2 | cut -c1-400 | tee -a "$log"
+          --warmup-requests 32 --sweep-concurrency 4 16 64 --label $mode --output-dir "$OUT/serve" 2>&1 | tail -2 | cut -c1-400 | tee -a "$log"
         kill $pid; wait $pid
       done
       $P bench serve --plot-from "$OUT/serve/pipelined.json" "$OUT/serve/no-pipelined.json" \

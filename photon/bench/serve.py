@@ -69,7 +69,8 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="Seed of prompts and arrivals.")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--warmup-requests", type=int, default=1,
-                   help=f"Untimed requests first (up to {WARMUP_MAX_TOKENS} tokens; default 1).")
+                   help=f"Untimed requests first (up to {WARMUP_MAX_TOKENS} tokens; default 1): "
+                        "one alone, then the rest at once, so batched shapes get compiled too.")
 
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:
@@ -178,21 +179,26 @@ def _requests(ns: argparse.Namespace) -> list[Any]:
 
 
 async def _warmup(cfg: Any, specs: list[Any], count: int) -> bool:
-    """Untimed short requests; False (after logging why) when the first one fails."""
+    """Untimed short requests, the first alone and the rest concurrently (a server's first
+    batched prefills may compile kernels); False (after logging why) when any fails."""
     from dataclasses import replace
 
     from photon.bench.serve_client import make_session, send_request
 
     if count <= 0:
         return True
-    async with make_session(cfg, 1) as session:
-        for spec in specs[:count]:
-            short = replace(spec, output_len=min(spec.output_len, WARMUP_MAX_TOKENS))
-            record = await send_request(session, cfg, short, 0.0)
-            if not record.success:
-                _log(f"warm-up request failed: {record.error}")
-                return False
-    _log(f"warm-up: {min(count, len(specs))} request(s) ok")
+    shorts = [replace(s, output_len=min(s.output_len, WARMUP_MAX_TOKENS))
+              for s in (specs[i % len(specs)] for i in range(count))]
+    async with make_session(cfg, len(shorts)) as session:
+        records = [await send_request(session, cfg, shorts[0], 0.0)]
+        if records[0].success:
+            records += await asyncio.gather(*(send_request(session, cfg, s, 0.0)
+                                              for s in shorts[1:]))
+    failed = [r for r in records if not r.success]
+    if failed:
+        _log(f"warm-up request failed: {failed[0].error}")
+        return False
+    _log(f"warm-up: {len(records)} request(s) ok")
     return True
 
 
