@@ -19,3 +19,17 @@ def test_bench_structured_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert 0 < row["mean_output_tokens"] < 300  # the grammar, not max_tokens, ended them
     for key in ("json_blocking", "json_pipelined", "plain_blocking", "plain_pipelined"):
         assert row[f"{key}_tok_per_s"] > 0
+    assert row["json_pipelined_mask_fill_ms_per_step"] > 0 and summary["schema"] == "records"
+
+
+def test_bench_structured_named_schema_without_ranges(capsys: pytest.CaptureFixture[str]) -> None:
+    from photon.bench.structured import SCHEMAS
+
+    item = SCHEMAS["records-no-ranges"]["items"]["properties"]
+    assert "minimum" not in item["id"] and "maximum" not in item["score"]
+    assert SCHEMAS["records"]["items"]["properties"]["id"]["maximum"] == 9999  # untouched
+    rc = main(["bench", "structured", "--model-shape", "tiny", "--batch-sizes", "2",
+               "--max-output-tokens", "200", "--prompt-len", "8", "--schema", "records-no-ranges"])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["schema"] == \
+        "records-no-ranges"

@@ -90,8 +90,8 @@ def test_grammar_pipelined_equals_blocking_property(kinds: list, budget: int, ti
 
 
 def test_grammar_rows_on_threads_equal_serial() -> None:
-    """32 grammar rows a step: with 4 row threads the matchers advance and fill their masks in
-    parallel chunks; tokens, finish reasons and the drain invariants equal the serial run."""
+    """32 grammar rows a step: with 4 row threads the masks are filled in parallel; tokens,
+    finish reasons and the drain invariants equal the serial run."""
     rng = random.Random(11)
     grammars = [SO(json=SCHEMA), SO(regex=REGEX), SO(choice=["on", "off", "onward"])]
     specs = [Spec([rng.randrange(3, 1000) for _ in range(rng.randrange(2, 20))],

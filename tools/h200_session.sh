@@ -35,8 +35,14 @@ for step in "${steps[@]}"; do
       tp qwen_pipelined --model-shape qwen3-0.6b
       tp qwen_blocking --model-shape qwen3-0.6b --no-pipelined ;;
     structured)  # issue 6: JSON-schema decode tok/s, pipelined vs blocking vs unconstrained
-      timeout 240 $P bench structured --model-shape qwen3-0.6b --batch-sizes 32 128 \
-        --output-json "$OUT/structured_qwen.json" 2>&1 | grep -v '^{' | tee -a "$log" ;;
+      for schema in records records-no-ranges; do
+        timeout 240 $P bench structured --model-shape qwen3-0.6b --batch-sizes 32 128 \
+          --schema $schema --output-json "$OUT/structured_qwen_$schema.json" 2>&1 | grep -v '^{' \
+          | tee -a "$log"
+      done ;;
+    gputests_structured)  # the structured-outputs and kernel GPU tests only
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda_structured.py \
+        tests/test_kernels.py 2>&1 | tail -15 | tee -a "$log" ;;
     throughput8b)
       tp llama8b_pipelined --model-shape llama-3.1-8b ;;
     throughput8b_blocking)

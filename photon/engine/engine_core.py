@@ -65,8 +65,7 @@ class EngineCore:
         self.runner = ModelRunner(config, grammar_rows=self.structured.rows)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.release,
-                                   grammar_rows=self.structured.rows)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.release)
         self.pipeline = Pipeline(self.scheduler, self.runner, config.pipeline_depth)
         self._rng = random.Random(config.model.seed)
         self._ids = itertools.count()
@@ -246,7 +245,6 @@ class EngineCore:
         assert not self.scheduler.has_unfinished(), "requests still running or waiting"
         assert self.pipeline.idle, "a step is still in flight"
         assert self.scheduler.num_unreleased == 0, "finalized requests not yet released"
-        assert self.scheduler.num_grammar_requests == 0, "grammar requests still counted"
         assert self.kv.num_used_blocks == 0, f"{self.kv.num_used_blocks} KV blocks still held"
         assert len(self.runner.free_pool_rows) == self.runner.num_pool_rows, "pool rows leaked"
         self.kv.check_invariants()

@@ -17,7 +17,6 @@ from photon.config import SchedulerConfig
 from photon.engine.kv_cache import KVCacheManager
 from photon.engine.request import FinishReason, Request, RequestStatus
 from photon.structured.backend import GrammarError
-from photon.structured.rows import GrammarRowPool
 
 
 @dataclass(slots=True)
@@ -53,24 +52,20 @@ class CommittedToken:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 on_release: Callable[[Request], None],
-                 grammar_rows: GrammarRowPool | None = None) -> None:
+                 on_release: Callable[[Request], None]) -> None:
         self.config = config
         self.kv = kv
         self.on_release = on_release  # frees what the model runner holds (token-pool row)
-        self.grammar_rows = grammar_rows or GrammarRowPool(1)
         self.waiting: deque[Request] = deque()
         self.grammar_waiting: list[Request] = []  # grammar still compiling: not admissible yet
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every request not yet released
-        self.num_grammar_requests = 0  # of those, with a grammar: plain steps skip grammar work
         self.num_preemptions = 0
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
         if request.grammar is not None:
-            self.num_grammar_requests += 1
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.grammar_waiting.append(request)
         else:
@@ -195,13 +190,12 @@ class Scheduler:
     def commit(self, rows: list[ScheduledRow], tokens: list[CommittedToken | None]) -> list[Request]:
         """Apply one step's results; return the requests that got a token or were finalized."""
         touched: list[Request] = []
-        accepted = self._accept_grammars(rows, tokens)
-        for i, (row, tok) in enumerate(zip(rows, tokens)):
+        for row, tok in zip(rows, tokens):
             req = row.request
             if row.sample:
                 req.num_pending -= 1
                 if not req.finalized and tok is not None:
-                    self._append(req, tok, accepted.get(i))
+                    self._append(req, tok)
                     touched.append(req)
             req.inflight_refs -= 1
             if req.status is RequestStatus.RUNNING:
@@ -213,21 +207,7 @@ class Scheduler:
                 self._maybe_release(req)  # only preempted or finished requests release
         return touched
 
-    def _accept_grammars(self, rows: list[ScheduledRow], tokens: list[CommittedToken | None]
-                         ) -> dict[int, bool]:
-        """Advance the matchers of the rows whose token will be appended (exactly the rows
-        `commit` appends to), in parallel on the grammar row pool; row index -> accepted."""
-        if not self.num_grammar_requests:
-            return {}
-        idx = [i for i, row in enumerate(rows) if row.request.grammar is not None and row.sample
-               and not row.request.finalized and tokens[i] is not None]
-        if not idx:
-            return {}
-        ok = self.grammar_rows.map(
-            lambda k: rows[idx[k]].request.grammar.accept(tokens[idx[k]].token_id), len(idx))
-        return dict(zip(idx, ok))
-
-    def _append(self, req: Request, tok: CommittedToken, accepted: bool | None) -> None:
+    def _append(self, req: Request, tok: CommittedToken) -> None:
         req.output_token_ids.append(tok.token_id)
         if tok.logprob is not None:
             req.cumulative_logprob += tok.logprob
@@ -235,18 +215,16 @@ class Scheduler:
             entry[tok.token_id] = tok.logprob
             req.logprobs.append(entry)
         stop_str = req.detokenizer.update(tok.token_id) if req.detokenizer else None
-        reason = self._grammar_reason(req, tok.token_id, accepted) if accepted is not None \
-            else None
+        reason = self._advance_grammar(req, tok.token_id) if req.grammar is not None else None
         reason = reason or self._check_stop(req, tok.token_id, stop_str)
         if reason is not None:
             self.finalize(req, reason)
 
     @staticmethod
-    def _grammar_reason(req: Request, token_id: int, accepted: bool) -> FinishReason | None:
-        """The matcher advanced at commit (`_accept_grammars`). The mask makes a rejection
-        impossible, so one is an engine bug: the request ends (ABORT, with `error`) instead of
-        the engine."""
-        if not accepted:
+    def _advance_grammar(req: Request, token_id: int) -> FinishReason | None:
+        """The matcher advances at commit. The mask makes a rejection impossible, so one is an
+        engine bug: the request ends (ABORT, with `error`) instead of the engine."""
+        if not req.grammar.accept(token_id):
             req.error = f"internal error: the grammar rejected sampled token {token_id}"
             return FinishReason.ABORT
         return FinishReason.STOP if req.grammar.is_terminated() else None
@@ -291,5 +269,5 @@ class Scheduler:
             self.kv.free(req.request_id)
             self.on_release(req)
             req.released = True
-        if req.finalized and self.requests.pop(req.request_id, None) is not None:
-            self.num_grammar_requests -= req.grammar is not None
+        if req.finalized:
+            self.requests.pop(req.request_id, None)

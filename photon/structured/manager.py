@@ -39,7 +39,7 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="photon-grammar")
-        # Per-step matcher work (accept at commit, fill at finalize), used by scheduler and runner.
+        # Threads for the per-step mask fills of the model runner's finalize.
         self.rows = GrammarRowPool(row_threads or default_threads())
 
     @property

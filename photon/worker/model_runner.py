@@ -84,6 +84,7 @@ class ModelRunner:
                                8 * max_seqs, mask_words) for i in range(2)]
         self.sampler = Sampler()
         self.step_count = 0
+        self.grammar_fill_s = 0.0  # host time in grammar-mask fills (bench structured reports it)
         self.probe: StepProbe | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -203,8 +204,10 @@ class ModelRunner:
         if not h.arrays.flags["any_grammar"]:
             return None
         n = h.num_sampled
+        start = time.perf_counter()
         fill_bitmasks([h.rows[i] for i in h.arrays.sample_rows], h.slot.mask_host[:n],
                       self.grammar_rows)
+        self.grammar_fill_s += time.perf_counter() - start
         return h.slot.upload_mask(self.streams, n)
 
     def _sampling_batch(self, h: StepHandle) -> SamplingBatch:
