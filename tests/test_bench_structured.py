@@ -20,6 +20,7 @@ def test_bench_structured_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     for key in ("json_blocking", "json_pipelined", "plain_blocking", "plain_pipelined"):
         assert row[f"{key}_tok_per_s"] > 0
     assert row["json_pipelined_mask_fill_ms_per_step"] > 0 and summary["schema"] == "records"
+    assert row["json_pipelined_finish_reasons"] == {"stop": 3}
 
 
 def test_bench_structured_named_schema_without_ranges(capsys: pytest.CaptureFixture[str]) -> None:

@@ -307,3 +307,18 @@ def test_cuda_no_sync_and_bits_match_cpu():
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(gpu_bits.cpu(), noise_bits(batch.keys.cpu(), batch.counters.cpu(), 1000))
     assert out.token_ids.shape == (64,) and out.topk_ids.shape == (64, 4)
+
+
+def test_uniform_from_extreme_bits_gives_finite_gumbel_noise() -> None:
+    """The largest hash (top bits all ones) once rounded u to exactly 1.0: +inf noise, and NaN
+    on a masked (-inf) logit, which argmax picked past a grammar mask."""
+    from photon.worker.sampler import uniform_from_bits
+
+    bits = torch.tensor([0, 1, 2**31, 2**32 - 512, 2**32 - 1], dtype=torch.int64)
+    u = uniform_from_bits(bits)
+    assert (u > 0).all() and (u < 1).all()
+    assert u[-1].item() == 1 - 2.0**-24 and u[0].item() == 2.0**-24
+    noise = u.log().neg().log().neg()
+    assert torch.isfinite(noise).all()
+    masked = torch.tensor([float("-inf"), 0.0])
+    assert int((masked + noise[[-1, 0]]).argmax()) == 1

@@ -15,6 +15,7 @@ import random
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
@@ -62,20 +63,23 @@ def add_parser(sub: Any) -> None:
 
 
 def _run_batch(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]
-               ) -> tuple[list[int], float]:
-    """Run to completion; return each request's output length and the wall time."""
+               ) -> tuple[list[int], float, Counter[str]]:
+    """Run to completion; return each request's output length, the wall time and the count of
+    each finish reason (a grammar request must end with "stop" or "length", never "abort")."""
     if core.runner.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     ids = [core.add_request(p, sp, stream=False) for p, sp in zip(prompts, params)]
     lengths: dict[str, int] = {}
+    reasons: Counter[str] = Counter()
     while core.has_unfinished():
         for out in core.step():
             if out.finished:
                 lengths[out.request_id] = len(out.outputs[0].token_ids)
+                reasons[str(out.outputs[0].finish_reason)] += 1
     if core.runner.device.type == "cuda":
         torch.cuda.synchronize()
-    return [lengths[i] for i in ids], time.perf_counter() - t0
+    return [lengths[i] for i in ids], time.perf_counter() - t0, reasons
 
 
 def measure(core: EngineCore, batch: int, schema: dict[str, Any], ns: argparse.Namespace
@@ -91,15 +95,16 @@ def measure(core: EngineCore, batch: int, schema: dict[str, Any], ns: argparse.N
     for name, depth in (("blocking", 1), ("pipelined", 2)):
         core.pipeline.depth = depth
         fill_s, steps = core.runner.grammar_fill_s, core.runner.step_count
-        lengths, wall = _run_batch(core, prompts, grammar)
+        lengths, wall, reasons = _run_batch(core, prompts, grammar)
         row[f"json_{name}_tok_per_s"] = sum(lengths) / wall
+        row[f"json_{name}_finish_reasons"] = dict(reasons)
         row[f"json_{name}_mask_fill_ms_per_step"] = (
             1e3 * (core.runner.grammar_fill_s - fill_s) / max(1, core.runner.step_count - steps))
     plain = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True)
              for i, n in enumerate(lengths)]
     for name, depth in (("blocking", 1), ("pipelined", 2)):
         core.pipeline.depth = depth
-        _, wall = _run_batch(core, prompts, plain)
+        _, wall, _ = _run_batch(core, prompts, plain)
         row[f"plain_{name}_tok_per_s"] = sum(lengths) / wall
     row["mean_output_tokens"] = sum(lengths) / len(lengths)
     row["pipelined_json_vs_plain"] = row["json_pipelined_tok_per_s"] / row["plain_pipelined_tok_per_s"]

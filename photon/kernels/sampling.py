@@ -77,8 +77,8 @@ def _bits(seed, cols):
 
 @triton.jit
 def _gumbel(bits):
-    """sampler.gumbel_noise: u = (top 24 bits + 0.5) * 2**-24 in (0, 1); -log(-log(u))."""
-    u = ((bits >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08
+    """sampler.gumbel_noise: u = (top 23 bits + 0.5) * 2**-23 in (0, 1); -log(-log(u))."""
+    u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
     return -tl.log(-tl.log(u))
 
 

@@ -135,11 +135,18 @@ def noise_bits(keys: Tensor, counters: Tensor, vocab_size: int) -> Tensor:
     return _mix32_(seeds[:, None] ^ vocab[None, :])
 
 
+def uniform_from_bits(bits: Tensor) -> Tensor:
+    """float32 u strictly in (0, 1) from hash bits in [0, 2**32)."""
+    # Top 23 bits + 0.5, scaled by 2**-23: k + 0.5 < 2**23 needs 24 significant bits, so u is
+    # exact in float32 and strictly in (0, 1). (With 24 bits, 2**24 - 0.5 rounds to 2**24: u = 1
+    # gave +inf noise for one token in 2**24, i.e. ~1% of steps on a 151k vocabulary, and NaN
+    # (picked by argmax) on a grammar-masked -inf logit.)
+    return (bits >> 9).to(torch.float32).add_(0.5).mul_(2.0**-23)
+
+
 def gumbel_noise(keys: Tensor, counters: Tensor, vocab_size: int) -> Tensor:
     """[R, V] float32 standard Gumbel noise, -log(-log(u)), u a hash of (key, counter, v)."""
-    bits = noise_bits(keys, counters, vocab_size)
-    # Top 24 bits + 0.5, scaled by 2**-24: exactly representable in float32, strictly in (0, 1).
-    u = (bits >> 8).to(torch.float32).add_(0.5).mul_(2.0**-24)
+    u = uniform_from_bits(noise_bits(keys, counters, vocab_size))
     return u.log_().neg_().log_().neg_()
 
 
