@@ -240,9 +240,12 @@ def test_mask_never_allows_ids_past_the_tokenizer(llm: LLM) -> None:
     grammar = manager.request_grammar(SO(regex="[a-z]+"))
     grammar.future.result()
     assert grammar.poll()
-    mask = torch.full((3, bitmask_width(1024)), -1, dtype=torch.int32)
+    # 8 words wider than the tokenizer's 32, as for a model padded to 1,280: the tail is zeroed.
+    words = bitmask_width(1000)
+    mask = torch.full((3, words + 8), -1, dtype=torch.int32)
     grammar.fill_bitmask(mask, 1)
-    allowed = [v for v in range(1024) if (int(mask[1, v // 32]) >> (v % 32)) & 1]
+    assert (mask[1, words:] == 0).all()
+    allowed = [v for v in range(32 * (words + 8)) if (int(mask[1, v // 32]) >> (v % 32)) & 1]
     tok = llm.engine.tokenizer
     assert allowed and max(allowed) < 1000
     assert all(re.fullmatch("[a-z]+", tok.decode([v])) for v in allowed)
