@@ -21,6 +21,12 @@ def test_bench_structured_cpu(capsys: pytest.CaptureFixture[str]) -> None:
         assert row[f"{key}_tok_per_s"] > 0
     assert row["json_pipelined_mask_fill_ms_per_step"] > 0 and summary["schema"] == "records"
     assert row["json_pipelined_finish_reasons"] == {"stop": 3}
+    # The breakdown: the same lengths take the same steps (+1: the step a grammar's end is
+    # committed in flight); plain steps fill no masks; the probe saw forward + sampling time.
+    assert 0 <= row["json_pipelined_steps"] - row["plain_pipelined_steps"] <= 1
+    assert row["plain_pipelined_mask_fill_ms_per_step"] == 0.0
+    for key in ("json_blocking", "json_pipelined", "plain_blocking", "plain_pipelined"):
+        assert 0 < row[f"{key}_gpu_ms_per_step"] <= row[f"{key}_ms_per_step"]
 
 
 def test_bench_structured_named_schema_without_ranges(capsys: pytest.CaptureFixture[str]) -> None:

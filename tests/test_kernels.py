@@ -234,21 +234,30 @@ def test_all_minus_inf_row_gives_token_zero_like_argmax():
     assert fused.tolist() == ref.tolist() == [0, 0]
 
 
-@pytest.mark.parametrize("rows,vocab,words", [(3, 100, 4), (5, 5000, 157), (2, 4097, 200)])
+@pytest.mark.parametrize("rows,vocab,words", [(3, 100, 4), (5, 5000, 157), (2, 4097, 200),
+                                             (4, 5000, 100)])
 def test_bitmask_apply_matches_torch(rows, vocab, words):
+    """Words covering the vocabulary, and (4, 5000, 100) narrower ones: ids >= 3,200 follow each
+    row's tail flag."""
     from photon.kernels.bitmask import apply_token_bitmask_
-    from photon.structured.bitmask import apply_token_bitmask
+    from photon.structured.bitmask import TokenMask, apply_token_bitmask
 
     g = torch.Generator().manual_seed(vocab)
-    mask = torch.randint(-2**31, 2**31, (rows, words), generator=g, dtype=torch.int64)
-    mask = mask.to(torch.int32).to(DEVICE)
-    mask[0] = -1  # an unconstrained row
-    mask[-1, 1:] = 0  # a row allowing only tokens 0..31's set bits
+    bits = torch.randint(-2**31, 2**31, (rows, words), generator=g, dtype=torch.int64)
+    bits = bits.to(torch.int32)
+    bits[0] = -1  # an unconstrained row
+    bits[-1, 1:] = 0  # a row allowing only tokens 0..31's set bits
+    tail = torch.tensor([-1] + [0, -1] * rows, dtype=torch.int32)[:rows]
+    tail[-1] = 0
+    mask = TokenMask(bits.to(DEVICE), tail.to(DEVICE))
     logits = randn(rows, vocab, seed=3)
     want = apply_token_bitmask(logits.clone(), mask)
     got = apply_token_bitmask_(logits.clone(), mask)
     assert torch.equal(got, want)
     assert torch.isinf(got[-1, 32:]).all() and not torch.isinf(got[0]).any()
+    if 32 * words < vocab:
+        assert not torch.isinf(got[2, 32 * words:]).any()  # tail allowed
+        assert torch.isinf(got[1, 32 * words:]).all()  # tail masked
 
 
 # ----------------------------------------------------------------------------- CUDA (bf16)

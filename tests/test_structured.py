@@ -229,24 +229,43 @@ def test_grammar_rows_get_no_min_tokens_bans() -> None:
 
 def test_mask_never_allows_ids_past_the_tokenizer(llm: LLM) -> None:
     """photon-tiny's model is 1,024 wide, its tokenizer 1,000: xgrammar sees the 1,000 ids only
-    (its accept scans special ids, so padding would cost per token), and the mask row's words
-    past them are zeroed, so padding ids can never be sampled under a grammar."""
+    (its accept scans special ids, so padding would cost per token). Mask rows are the tokenizer's
+    words wide; a grammar row's tail flag is 0, so ids past them (here a model padded to 1,280) can
+    never be sampled under a grammar, while rows without one keep the whole vocabulary."""
     import torch
 
-    from photon.structured.backend import bitmask_width
+    from photon.structured.bitmask import fill_bitmasks, mask_numel, mask_views
 
     manager = llm.engine.structured
-    assert manager.vocab_size == 1024 and manager.backend.info.vocab_size == 1000
+    backend = manager.backend
+    assert manager.vocab_size == 1024 and backend.info.vocab_size == 1000
+    assert backend.mask_words == 32
     grammar = manager.request_grammar(SO(regex="[a-z]+"))
     grammar.future.result()
     assert grammar.poll()
-    # 8 words wider than the tokenizer's 32, as for a model padded to 1,280: the tail is zeroed.
-    words = bitmask_width(1000)
-    mask = torch.full((3, words + 8), -1, dtype=torch.int32)
-    grammar.fill_bitmask(mask, 1)
-    assert (mask[1, words:] == 0).all()
-    allowed = [v for v in range(32 * (words + 8)) if (int(mask[1, v // 32]) >> (v % 32)) & 1]
+    rows = [_mask_row(None), _mask_row(grammar), _mask_row(None)]
+    flat = torch.zeros(mask_numel(3, 32) + 5, dtype=torch.int32)
+    mask = mask_views(flat, 3, 32)
+    fill_bitmasks(rows, mask, backend)
+    assert mask.tail.tolist() == [-1, 0, -1]
+    assert (mask.bits[0] == -1).all() and (mask.bits[2] == -1).all()
+    logits = torch.zeros(3, 1280)
+    allowed_all = torch.isfinite(_apply(logits, mask))
+    allowed = allowed_all[1].nonzero().flatten().tolist()
     tok = llm.engine.tokenizer
     assert allowed and max(allowed) < 1000
     assert all(re.fullmatch("[a-z]+", tok.decode([v])) for v in allowed)
-    assert (mask[0] == -1).all() and (mask[2] == -1).all()  # other rows untouched
+    assert allowed_all[0].all() and allowed_all[2].all()  # no grammar: all 1,280 ids
+
+
+def _mask_row(grammar: object) -> object:
+    from types import SimpleNamespace
+
+    req = SimpleNamespace(grammar=grammar, finalized=False, output_token_ids=[])
+    return SimpleNamespace(request=req, out_index=0)
+
+
+def _apply(logits, mask):
+    from photon.structured.bitmask import apply_token_bitmask
+
+    return apply_token_bitmask(logits, mask)

@@ -90,8 +90,8 @@ def test_grammar_pipelined_equals_blocking_property(kinds: list, budget: int, ti
 
 
 def test_grammar_rows_on_threads_equal_serial() -> None:
-    """32 grammar rows a step: with 4 row threads the masks are filled in parallel; tokens,
-    finish reasons and the drain invariants equal the serial run."""
+    """32 grammar rows a step: with 4 backend threads the masks are filled in parallel; tokens,
+    finish reasons and the drain invariants equal the one-thread run."""
     rng = random.Random(11)
     grammars = [SO(json=SCHEMA), SO(regex=REGEX), SO(choice=["on", "off", "onward"])]
     specs = [Spec([rng.randrange(3, 1000) for _ in range(rng.randrange(2, 20))],
@@ -102,7 +102,7 @@ def test_grammar_rows_on_threads_equal_serial() -> None:
     kw = dict(block_size=8, max_num_seqs=32)
     serial, _ = run(_engine(True, structured_outputs_threads=1, **kw), specs)
     engine = _engine(True, structured_outputs_threads=4, **kw)
-    assert engine.engine.structured.rows.threads == 4
+    assert engine.engine.structured.fill_threads == 4
     threaded, _ = run(engine, specs)
     assert threaded == serial
     tok = engine.engine.tokenizer

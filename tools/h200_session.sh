@@ -40,6 +40,13 @@ for step in "${steps[@]}"; do
           --schema $schema --output-json "$OUT/structured_qwen_$schema.json" 2>&1 | grep -v '^{' \
           | tee -a "$log"
       done ;;
+    structured_threads)  # the records schema with 1 and 4 mask-fill threads (default: cores - 2)
+      for threads in 1 4; do
+        timeout 200 $P bench structured --model-shape qwen3-0.6b --batch-sizes 32 128 \
+          --structured-outputs-threads $threads \
+          --output-json "$OUT/structured_qwen_records_t$threads.json" 2>&1 | grep -v '^{' \
+          | tee -a "$log"
+      done ;;
     gputests_structured)  # the structured-outputs and kernel GPU tests only
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda_structured.py \
         tests/test_kernels.py 2>&1 | tail -15 | tee -a "$log" ;;

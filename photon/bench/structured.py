@@ -4,7 +4,9 @@ For each batch size B: B requests under a JSON schema (seeded sampling, so the g
 ends them) run to completion, pipelined and blocking on the same engine; then the same prompts run
 without a grammar, with each request's max_tokens set to the length its constrained twin produced
 (EOS ignored), so both batches generate the same number of tokens. Decode tokens/s = generated
-tokens / wall time of the batch. Grammars are compiled (and cached) before timing.
+tokens / wall time of the batch. Grammars are compiled (and cached) before timing. Each run also
+reports its steps and, per step, the wall time, the GPU time (forward + sampling, CUDA events), the
+commit's wait for the GPU and the host's grammar-mask fill.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from photon.bench.cli import add_model_source_args, bench_engine_args, gpu_info
 from photon.engine.engine_core import EngineCore
 from photon.sampling_params import SamplingParams
 from photon.structured.params import StructuredOutputsParams
+from photon.worker.probe import StepProbe
 
 # Long, bounded JSON: an array of up to 12 small records (a few hundred tokens each request).
 DEFAULT_SCHEMA: dict[str, Any] = {
@@ -82,6 +85,30 @@ def _run_batch(core: EngineCore, prompts: list[list[int]], params: list[Sampling
     return [lengths[i] for i in ids], time.perf_counter() - t0, reasons
 
 
+def _timed_run(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams],
+               depth: int, prefix: str) -> tuple[list[int], dict[str, Any]]:
+    """One timed batch with a StepProbe attached: tok/s and where a step's time goes (GPU forward
+    + sampling, the commit's wait for the GPU, the grammar-mask fill on the host)."""
+    runner = core.runner
+    core.pipeline.depth = depth
+    probe = StepProbe(runner.device)
+    runner.probe = probe
+    fill_s, steps = runner.grammar_fill_s, runner.step_count
+    try:
+        lengths, wall, reasons = _run_batch(core, prompts, params)
+    finally:
+        runner.probe = None
+    n = max(1, runner.step_count - steps)
+    ms = 1e3 / n
+    row = {f"{prefix}_tok_per_s": sum(lengths) / wall, f"{prefix}_steps": n,
+           f"{prefix}_ms_per_step": wall * ms, f"{prefix}_gpu_ms_per_step": probe.gpu_seconds() * ms,
+           f"{prefix}_wait_ms_per_step": probe.wait_s * ms,
+           f"{prefix}_mask_fill_ms_per_step": (runner.grammar_fill_s - fill_s) * ms}
+    if params[0].structured_outputs is not None:
+        row[f"{prefix}_finish_reasons"] = dict(reasons)
+    return lengths, row
+
+
 def measure(core: EngineCore, batch: int, schema: dict[str, Any], ns: argparse.Namespace
             ) -> dict[str, Any]:
     rng = random.Random(batch)
@@ -93,19 +120,12 @@ def measure(core: EngineCore, batch: int, schema: dict[str, Any], ns: argparse.N
     row: dict[str, Any] = {"batch_size": batch}
     lengths: list[int] = []
     for name, depth in (("blocking", 1), ("pipelined", 2)):
-        core.pipeline.depth = depth
-        fill_s, steps = core.runner.grammar_fill_s, core.runner.step_count
-        lengths, wall, reasons = _run_batch(core, prompts, grammar)
-        row[f"json_{name}_tok_per_s"] = sum(lengths) / wall
-        row[f"json_{name}_finish_reasons"] = dict(reasons)
-        row[f"json_{name}_mask_fill_ms_per_step"] = (
-            1e3 * (core.runner.grammar_fill_s - fill_s) / max(1, core.runner.step_count - steps))
+        lengths, stats = _timed_run(core, prompts, grammar, depth, f"json_{name}")
+        row |= stats
     plain = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True)
              for i, n in enumerate(lengths)]
     for name, depth in (("blocking", 1), ("pipelined", 2)):
-        core.pipeline.depth = depth
-        _, wall, _ = _run_batch(core, prompts, plain)
-        row[f"plain_{name}_tok_per_s"] = sum(lengths) / wall
+        row |= _timed_run(core, prompts, plain, depth, f"plain_{name}")[1]
     row["mean_output_tokens"] = sum(lengths) / len(lengths)
     row["pipelined_json_vs_plain"] = row["json_pipelined_tok_per_s"] / row["plain_pipelined_tok_per_s"]
     return row

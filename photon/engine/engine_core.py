@@ -61,8 +61,8 @@ class EngineCore:
         self.tokenizer = Tokenizer.from_pretrained(config.model.model)
         self.structured = StructuredOutputManager(
             config.structured_outputs_backend, self.tokenizer, config.model.vocab_size,
-            config.structured_outputs_timeout, row_threads=config.structured_outputs_threads)
-        self.runner = ModelRunner(config, grammar_rows=self.structured.rows)
+            config.structured_outputs_timeout, fill_threads=config.structured_outputs_threads)
+        self.runner = ModelRunner(config, structured=self.structured)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.release)

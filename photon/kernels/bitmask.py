@@ -1,6 +1,7 @@
-"""Grammar-mask apply in one pass: logits[r, v] = -inf where bit v % 32 of word v // 32 of row r is
-clear. The torch path (photon.structured.bitmask.apply_token_bitmask) expands every word into 32
-int32 lanes first ([R, V] int32 plus a bool copy): four passes over a vocabulary-sized
+"""Grammar-mask apply in one pass (layout: photon.structured.bitmask): logits[r, v] = -inf where
+bit v % 32 of word v // 32 of row r is clear, and for ids past the row's words where the row's tail
+flag is 0. The torch path (photon.structured.bitmask.apply_token_bitmask) expands every word into
+32 int32 lanes first ([R, V] int32 plus a bool copy): four passes over a vocabulary-sized
 intermediate. Here each program reads one block of a row's logits and the words covering it."""
 
 from __future__ import annotations
@@ -9,26 +10,34 @@ import torch
 import triton
 import triton.language as tl
 
+from photon.structured.bitmask import TokenMask
+
 BLOCK = 2048
 
 
 @triton.jit
-def _apply_bitmask_kernel(logits_ptr, mask_ptr, vocab, logits_stride, mask_stride,
-                          BLOCK: tl.constexpr):
+def _apply_bitmask_kernel(logits_ptr, bits_ptr, tail_ptr, vocab, covered, logits_stride,
+                          words, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < vocab
-    words = tl.load(mask_ptr + row * mask_stride + offs // 32, mask=inside, other=-1)
-    allowed = ((words >> (offs % 32)) & 1) != 0
+    in_bits = offs < covered
+    w = tl.load(bits_ptr + row * words + offs // 32, mask=in_bits, other=0)
+    tail = tl.load(tail_ptr + row)
+    tail_ok = (offs * 0 + tail) != 0
+    allowed = (in_bits & (((w >> (offs % 32)) & 1) != 0)) | (~in_bits & tail_ok)
     tl.store(logits_ptr + row * logits_stride + offs, float("-inf"), mask=inside & ~allowed)
 
 
-def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """In place on float logits [R, V] (unit stride in V) with an int32 bitmask [R, >= V/32]."""
+def apply_token_bitmask_(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    """In place on float logits [R, V] (unit stride in V); mask.bits contiguous [R, W] int32."""
     rows, vocab = logits.shape
-    assert logits.stride(1) == 1 and bitmask.dtype == torch.int32 and bitmask.shape[0] == rows
+    bits, tail = mask.bits, mask.tail
+    assert logits.stride(1) == 1 and bits.dtype == torch.int32 and bits.is_contiguous()
+    assert bits.shape[0] == rows and tail.shape == (rows,)
     if rows:
         grid = (rows, triton.cdiv(vocab, BLOCK))
-        _apply_bitmask_kernel[grid](logits, bitmask, vocab, logits.stride(0), bitmask.stride(0),
-                                    BLOCK=BLOCK, num_warps=4)
+        covered = min(vocab, 32 * bits.shape[1])
+        _apply_bitmask_kernel[grid](logits, bits, tail, vocab, covered, logits.stride(0),
+                                    bits.shape[1], BLOCK=BLOCK, num_warps=4)
     return logits

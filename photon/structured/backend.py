@@ -2,12 +2,16 @@
 
 A backend compiles a `StructuredOutputsParams` into an opaque compiled grammar (thread-safe: the
 manager calls `compile` from a thread pool) and makes one `GrammarMatcher` per sequence from it.
-A matcher is advanced with committed tokens only and fills one row of a packed int32 bitmask
-(bit `v % 32` of word `v // 32` set = token v allowed) for the next token.
+A matcher is advanced with committed tokens only. The backend fills a step's next-token masks for
+many matchers at once (`fill_bitmasks`, on its own threads): rows of a packed int32 bitmask, bit
+`v % 32` of word `v // 32` set = token v allowed, `mask_words` words wide. A backend's rows may cover
+fewer ids than the model's vocabulary (a padded embedding); ids past `32 * mask_words` are never
+allowed under a grammar.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -25,9 +29,6 @@ class GrammarMatcher(Protocol):
     def accept(self, token_id: int) -> bool:
         """Advance by one committed token; False if the grammar rejects it."""
 
-    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
-        """Write the allowed next tokens into row `index` of a CPU int32 bitmask."""
-
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted: no more tokens."""
 
@@ -39,8 +40,18 @@ class GrammarBackend(Protocol):
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the grammar's start."""
 
+    @property
+    def mask_words(self) -> int:
+        """Width in int32 words of the rows `fill_bitmasks` writes."""
 
-BackendFactory = Callable[[Tokenizer, int], GrammarBackend]
+    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor,
+                      indices: list[int]) -> None:
+        """Row indices[i] of `bitmask` (CPU int32 [R, mask_words], contiguous) <- the allowed next
+        tokens of matchers[i]. Matchers are independent, so a backend may fill rows in parallel;
+        it returns once every row is written."""
+
+
+BackendFactory = Callable[[Tokenizer, int, int], GrammarBackend]
 _BACKENDS: dict[str, BackendFactory] = {}
 
 
@@ -51,15 +62,24 @@ def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
     return deco
 
 
-def create_backend(name: str, tokenizer: Tokenizer, vocab_size: int) -> GrammarBackend:
-    """`vocab_size` is the model's (logits width), which may exceed the tokenizer's."""
+def create_backend(name: str, tokenizer: Tokenizer, vocab_size: int, threads: int
+                   ) -> GrammarBackend:
+    """`vocab_size` is the model's (logits width), which may exceed the tokenizer's; `threads`
+    bound the parallel mask fills."""
     if name == "xgrammar" and name not in _BACKENDS:
         import photon.structured.xgrammar_backend  # noqa: F401 - registers itself
     if name not in _BACKENDS:
         raise ValueError(f"unknown structured-outputs backend {name!r}; "
                          f"available: {', '.join(sorted(_BACKENDS)) or 'xgrammar'}")
-    return _BACKENDS[name](tokenizer, vocab_size)
+    return _BACKENDS[name](tokenizer, vocab_size, threads)
 
 
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
+
+
+def default_fill_threads() -> int:
+    """All cores but two (the server's event loop and the tokenizer keep those), at most 16: one
+    JSON row's mask can take ~1 ms with a ~120k vocabulary (docs/benchmarks.md), and the engine
+    thread waits for the step's fills anyway."""
+    return max(1, min(16, (os.cpu_count() or 2) - 2))

@@ -18,11 +18,14 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
-
-from photon.structured.backend import GrammarBackend, GrammarError, GrammarMatcher, create_backend
+from photon.structured.backend import (
+    GrammarBackend,
+    GrammarError,
+    GrammarMatcher,
+    create_backend,
+    default_fill_threads,
+)
 from photon.structured.params import StructuredOutputsParams
-from photon.structured.rows import GrammarRowPool, default_threads
 from photon.tokenizer import Tokenizer
 
 CACHE_ENTRIES = 1024
@@ -30,7 +33,7 @@ CACHE_ENTRIES = 1024
 
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: Tokenizer, vocab_size: int, timeout_s: float,
-                 max_workers: int = 2, row_threads: int | None = None) -> None:
+                 max_workers: int = 2, fill_threads: int | None = None) -> None:
         self.backend_name = backend
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -39,15 +42,16 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="photon-grammar")
-        # Threads for the per-step mask fills of the model runner's finalize.
-        self.rows = GrammarRowPool(row_threads or default_threads())
+        # The backend's threads for a step's mask fills (the model runner's finalize).
+        self.fill_threads = fill_threads or default_fill_threads()
 
     @property
     def backend(self) -> GrammarBackend:
         """Created on first use (building the backend's vocabulary tables takes a moment)."""
         with self._lock:
             if self._backend is None:
-                self._backend = create_backend(self.backend_name, self.tokenizer, self.vocab_size)
+                self._backend = create_backend(self.backend_name, self.tokenizer, self.vocab_size,
+                                               self.fill_threads)
             return self._backend
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
@@ -69,7 +73,6 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.rows.shutdown()
 
 
 class RequestGrammar:
@@ -101,10 +104,6 @@ class RequestGrammar:
     def accept(self, token_id: int) -> bool:
         assert self.matcher is not None, "a token was committed before the grammar was ready"
         return self.matcher.accept(token_id)
-
-    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
-        assert self.matcher is not None
-        self.matcher.fill_bitmask(bitmask, index)
 
     def is_terminated(self) -> bool:
         return self.matcher is not None and self.matcher.is_terminated()

@@ -23,8 +23,8 @@ from photon.engine.request import Request
 from photon.engine.scheduler import CommittedToken, ScheduledRow, SchedulerOutput
 from photon.model.loader import load_model
 from photon.structured.backend import bitmask_width
-from photon.structured.bitmask import fill_bitmasks
-from photon.structured.rows import GrammarRowPool
+from photon.structured.bitmask import TokenMask, fill_bitmasks, mask_numel, mask_views
+from photon.structured.manager import StructuredOutputManager
 from photon.worker.cuda_graph import DecodeGraphs, pad_decode_arrays
 from photon.worker.decode_inputs import RowState, build_decode_arrays, is_plain_decode
 from photon.worker.inputs import StepArrays, build_step_arrays
@@ -54,9 +54,10 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, grammar_rows: GrammarRowPool | None = None) -> None:
+    def __init__(self, config: EngineConfig,
+                 structured: StructuredOutputManager | None = None) -> None:
         self.config = config
-        self.grammar_rows = grammar_rows or GrammarRowPool(1)  # threads for grammar-mask fills
+        self.structured = structured  # its backend fills grammar masks (steps with a grammar)
         self.device = torch.device(config.device)
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
@@ -79,9 +80,10 @@ class ModelRunner:
         self.free_pool_rows = list(range(num_pool_rows - 1, -1, -1))
         self.streams = Streams(self.device)
         tokens = config.scheduler.max_num_batched_tokens
-        mask_words = bitmask_width(mc.vocab_size)
+        # Backends cover at most the model's vocabulary: the widest masks a step can have.
+        mask_size = mask_numel(max_seqs, bitmask_width(mc.vocab_size))
         self.slots = [StepSlot(i, self.device, max_seqs, MAX_LOGPROBS, 8 * tokens + 16 * max_seqs,
-                               8 * max_seqs, mask_words) for i in range(2)]
+                               8 * max_seqs, mask_size) for i in range(2)]
         self.sampler = Sampler()
         self.step_count = 0
         self.grammar_fill_s = 0.0  # host time in grammar-mask fills (bench structured reports it)
@@ -197,18 +199,20 @@ class ModelRunner:
         return self.model(input_ids, dev["positions"], ctx)
 
     # ---- finalize -----------------------------------------------------------------------------
-    def _grammar_bitmask(self, h: StepHandle) -> torch.Tensor | None:
+    def _grammar_bitmask(self, h: StepHandle) -> TokenMask | None:
         """Fill the step's grammar masks on the host (forward t+1 is running meanwhile) from the
         matchers as of commit(t), and enqueue their H2D. None when no sampling row has a grammar
         (a host flag): plain steps pay nothing."""
         if not h.arrays.flags["any_grammar"]:
             return None
-        n = h.num_sampled
+        assert self.structured is not None, "a grammar row reached a runner without grammars"
+        backend = self.structured.backend
+        n, words = h.num_sampled, backend.mask_words
         start = time.perf_counter()
-        fill_bitmasks([h.rows[i] for i in h.arrays.sample_rows], h.slot.mask_host[:n],
-                      self.grammar_rows)
+        fill_bitmasks([h.rows[i] for i in h.arrays.sample_rows],
+                      mask_views(h.slot.mask_host, n, words), backend)
         self.grammar_fill_s += time.perf_counter() - start
-        return h.slot.upload_mask(self.streams, n)
+        return mask_views(h.slot.upload_mask(self.streams, mask_numel(n, words)), n, words)
 
     def _sampling_batch(self, h: StepHandle) -> SamplingBatch:
         d, f = h.dev, h.arrays.flags

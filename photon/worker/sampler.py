@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from photon.kernels import USE_TRITON
-from photon.structured.bitmask import apply_token_bitmask
+from photon.structured.bitmask import TokenMask, apply_token_bitmask
 
 if USE_TRITON:
     from photon.kernels import bitmask as fused_bitmask
@@ -65,7 +65,7 @@ class SamplingBatch:
     any_min_p: bool
     any_penalties: bool
     max_logprobs: int  # -1: no row wants logprobs
-    token_bitmask: Tensor | None = None  # [R, ceil(V/32)] int32 grammar masks; None: no grammar
+    token_bitmask: TokenMask | None = None  # grammar masks; None: no row has a grammar
 
 
 @dataclass

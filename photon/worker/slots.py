@@ -83,7 +83,7 @@ class PackedBuffer:
 
 class StepSlot:
     def __init__(self, index: int, device: torch.device, max_rows: int, max_logprobs: int,
-                 int_numel: int, float_numel: int, mask_words: int = 0) -> None:
+                 int_numel: int, float_numel: int, mask_numel: int = 0) -> None:
         pin = device.type == "cuda"
         self.index = index
         self.device = device
@@ -96,9 +96,9 @@ class StepSlot:
         self.out_f_dev = torch.zeros(max_rows * (1 + k), dtype=torch.float32, device=device)
         self.out_i_host = torch.zeros_like(self.out_i_dev, device="cpu", pin_memory=pin)
         self.out_f_host = torch.zeros_like(self.out_f_dev, device="cpu", pin_memory=pin)
-        # Next-token grammar bitmask [rows, ceil(V / 32)] int32 (photon.structured.bitmask).
-        self.mask_host = torch.zeros(max_rows, mask_words, dtype=torch.int32, pin_memory=pin)
-        self.mask_dev = torch.zeros(max_rows, mask_words, dtype=torch.int32, device=device) \
+        # A step's packed next-token masks, flat int32 (layout: photon.structured.bitmask).
+        self.mask_host = torch.zeros(mask_numel, dtype=torch.int32, pin_memory=pin)
+        self.mask_dev = torch.zeros(mask_numel, dtype=torch.int32, device=device) \
             if pin else self.mask_host
         self.mask_ready = torch.cuda.Event() if pin else None
         self.h2d_done = torch.cuda.Event() if pin else None
@@ -123,15 +123,15 @@ class StepSlot:
                 self.h2d_done.record()
             streams.compute.wait_event(self.h2d_done)
 
-    def upload_mask(self, streams: Streams, rows: int) -> torch.Tensor:
-        """H2D of the first `rows` mask rows on the copy stream, fenced for the compute stream."""
+    def upload_mask(self, streams: Streams, numel: int) -> torch.Tensor:
+        """H2D of the mask buffer's head on the copy stream, fenced for the compute stream."""
         if not streams.cuda:
-            return self.mask_host[:rows]
+            return self.mask_host
         with torch.cuda.stream(streams.copy):
-            self.mask_dev[:rows].copy_(self.mask_host[:rows], non_blocking=True)
+            self.mask_dev[:numel].copy_(self.mask_host[:numel], non_blocking=True)
             self.mask_ready.record()
         streams.compute.wait_event(self.mask_ready)
-        return self.mask_dev[:rows]
+        return self.mask_dev
 
     def output_views(self, rows: int, k: int) -> OutputViews:
         return OutputViews(self.out_i_dev[:rows], self.out_f_dev[:rows],
