@@ -11,8 +11,9 @@ and the tail set: no constraint.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,27 +44,44 @@ def mask_views(flat: torch.Tensor, rows: int, words: int) -> TokenMask:
     return TokenMask(bits, flat[rows * words:rows * (words + 1)])
 
 
-def fill_bitmasks(rows: list[ScheduledRow], mask: TokenMask, backend: GrammarBackend) -> None:
-    """Row j of `mask` for the j-th sampling row, from the matcher state committed so far: every
-    output before the row's `out_index` has been accepted. The backend fills the grammar rows
-    together (on its threads)."""
-    todo: list[int] = []
+@dataclass
+class MaskFill:
+    """One step's grammar rows, ready for the backend: matchers[i] fills mask.bits[indices[i]]."""
+
+    mask: TokenMask
+    matchers: list[Any] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+    future: Future | None = None  # set while the fill runs on a thread
+
+
+def prepare_fill(rows: list[ScheduledRow], mask: TokenMask) -> MaskFill:
+    """Row j of `mask` for the j-th sampling row: allow-all (bits and tail) for rows without a
+    grammar, zombie rows and terminated grammars; the grammar rows are left to the backend, tail
+    0. Each grammar's matcher must have accepted exactly the outputs before its row."""
+    fill = MaskFill(mask)
     for j, row in enumerate(rows):
         req = row.request
         grammar = req.grammar
         if grammar is None or req.finalized or grammar.is_terminated():
             continue
-        assert len(req.output_token_ids) == row.out_index, \
+        assert grammar.num_accepted == row.out_index, \
             "grammar mask built before the previous token was committed"
-        todo.append(j)
+        fill.matchers.append(grammar.matcher)
+        fill.indices.append(j)
     mask.tail.fill_(ALLOW_ALL)
-    if len(todo) < len(rows):
+    if len(fill.indices) < len(rows):
         free = torch.ones(len(rows), dtype=torch.bool)
-        free[todo] = False
+        free[fill.indices] = False
         mask.bits[free] = ALLOW_ALL
-    if todo:
-        mask.tail[todo] = 0
-        backend.fill_bitmasks([rows[j].request.grammar.matcher for j in todo], mask.bits, todo)
+    if fill.indices:
+        mask.tail[fill.indices] = 0
+    return fill
+
+
+def fill_bitmasks(rows: list[ScheduledRow], mask: TokenMask, backend: GrammarBackend) -> None:
+    """`prepare_fill`, then the backend fills the grammar rows (on its threads)."""
+    fill = prepare_fill(rows, mask)
+    backend.fill_bitmasks(fill.matchers, mask.bits, fill.indices)
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:

@@ -83,6 +83,8 @@ class RequestGrammar:
         self.future = future
         self.deadline = deadline
         self.matcher: GrammarMatcher | None = None
+        self.num_accepted = 0  # tokens the matcher has accepted (the fill checks it)
+        self.terminated = False  # as of the last accept: read without touching the matcher
 
     def poll(self) -> bool:
         """True once the matcher is ready; False while compiling; raises GrammarError."""
@@ -103,7 +105,13 @@ class RequestGrammar:
 
     def accept(self, token_id: int) -> bool:
         assert self.matcher is not None, "a token was committed before the grammar was ready"
-        return self.matcher.accept(token_id)
+        if not self.matcher.accept(token_id):
+            return False
+        self.num_accepted += 1
+        self.terminated = self.matcher.is_terminated()
+        return True
 
     def is_terminated(self) -> bool:
-        return self.matcher is not None and self.matcher.is_terminated()
+        """Complete and its stop token accepted: no more tokens (cached at accept, so commit can
+        read it while a mask fill uses the matcher on another thread)."""
+        return self.terminated
