@@ -81,7 +81,7 @@ class EngineConfig:
     attention_backend: str
     structured_outputs_backend: str = "xgrammar"
     structured_outputs_timeout: float = 30.0
-    structured_outputs_threads: int | None = None
+    structured_outputs_threads: int = 1
 
     @property
     def pipeline_depth(self) -> int:
@@ -130,9 +130,9 @@ class EngineArgs:
         "Grammar backend for structured outputs (JSON schema, regex, choice, EBNF)."))
     structured_outputs_timeout: float = field(default=30.0, metadata=_help(
         "Seconds a request's grammar may take to compile; then the request fails (400)."))
-    structured_outputs_threads: int | None = field(default=None, metadata=_help(
-        "Threads that advance grammar matchers and fill their masks each step (default: half "
-        "the CPU cores, at most 8)."))
+    structured_outputs_threads: int = field(default=1, metadata=_help(
+        "Threads that fill a step's grammar masks (xgrammar's batch fill). One is fastest unless "
+        "many rows sit in costly grammar states (docs/benchmarks.md)."))
 
     def create_config(self) -> EngineConfig:
         from photon.model.tiny import resolve_model_path

@@ -25,8 +25,6 @@ def test_bench_structured_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     # committed in flight); plain steps fill no masks; the probe saw forward + sampling time.
     assert 0 <= row["json_pipelined_steps"] - row["plain_pipelined_steps"] <= 1
     assert row["plain_pipelined_mask_fill_ms_per_step"] == 0.0
-    assert row["plain_pipelined_mask_wait_ms_per_step"] == 0.0
-    assert row["json_blocking_mask_wait_ms_per_step"] >= row["json_blocking_mask_fill_ms_per_step"]
     for key in ("json_blocking", "json_pipelined", "plain_blocking", "plain_pipelined"):
         assert 0 < row[f"{key}_gpu_ms_per_step"] <= row[f"{key}_ms_per_step"]
 

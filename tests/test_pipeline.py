@@ -5,7 +5,6 @@ after drain."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, given, settings
@@ -42,10 +41,9 @@ class Audit:
             self.requests[req.request_id] = req
             orig_add(req)
 
-        def commit(rows: list[ScheduledRow], tokens: list[CommittedToken | None],
-                   grammars_advanced: Callable[[], None] | None = None) -> list[Request]:
+        def commit(rows: list[ScheduledRow], tokens: list[CommittedToken | None]) -> list[Request]:
             self.zombie_rows += sum(r.sample and r.request.finalized for r in rows)
-            touched = orig_commit(rows, tokens, grammars_advanced)
+            touched = orig_commit(rows, tokens)
             for req in self.requests.values():
                 if req.finalized:
                     n = self.final_len.setdefault(req.request_id, len(req.output_token_ids))

@@ -269,38 +269,3 @@ def _apply(logits, mask):
     from photon.structured.bitmask import apply_token_bitmask
 
     return apply_token_bitmask(logits, mask)
-
-
-def test_fill_goes_parallel_only_when_rows_are_dear(llm: LLM) -> None:
-    """xgrammar's threaded fill starts threads on every call: the backend takes it only when the
-    previous step's fill, on one thread, would pass PARALLEL_FILL_S; the masks are the same."""
-    import torch
-
-    from photon.structured.xgrammar_backend import PARALLEL_FILL_S, XGrammarBackend
-
-    backend = XGrammarBackend(llm.engine.tokenizer, 1024, threads=2)
-    compiled = llm.engine.structured.compile(SO(json=SCHEMAS[0])).result()
-    matchers = [backend.matcher(compiled) for _ in range(4)]
-    serial, parallel = CountingFill(backend.serial), CountingFill(backend.parallel)
-    backend.serial, backend.parallel = serial, parallel
-    masks = []
-    for cost in (0.0, PARALLEL_FILL_S):  # cheap rows, then rows as dear as the threshold
-        backend.row_cost_s = cost
-        mask = torch.zeros(5, backend.mask_words, dtype=torch.int32)
-        backend.fill_bitmasks(matchers, mask, [0, 1, 3, 4])
-        masks.append(mask)
-    assert (serial.calls, parallel.calls) == (1, 1)
-    assert torch.equal(masks[0], masks[1]) and (masks[0][2] == 0).all()
-    assert backend.row_cost_s > 0  # re-estimated from the threaded call
-
-
-class CountingFill:
-    """Wraps an xgrammar BatchGrammarMatcher, counting its fill calls and rows."""
-
-    def __init__(self, inner: object) -> None:
-        self.inner, self.calls, self.rows = inner, 0, 0
-
-    def batch_fill_next_token_bitmask(self, matchers: list, *args: object) -> None:
-        self.calls += 1
-        self.rows += len(matchers)
-        self.inner.batch_fill_next_token_bitmask(matchers, *args)

@@ -5,9 +5,8 @@ ends them) run to completion, pipelined and blocking on the same engine; then th
 without a grammar, with each request's max_tokens set to the length its constrained twin produced
 (EOS ignored), so both batches generate the same number of tokens. Decode tokens/s = generated
 tokens / wall time of the batch. Grammars are compiled (and cached) before timing. Each run also
-reports its steps and, per step, the wall time, the GPU time (forward + sampling, CUDA events; the
-sampling span includes any wait for the grammar masks), the commit's wait for the GPU, the host's
-grammar-mask fill and the part of it finalize waited for (the rest hid behind commit).
+reports its steps and, per step, the wall time, the GPU time (forward + sampling, CUDA events), the
+commit's wait for the GPU and the host's grammar-mask fill.
 """
 
 from __future__ import annotations
@@ -89,13 +88,12 @@ def _run_batch(core: EngineCore, prompts: list[list[int]], params: list[Sampling
 def _timed_run(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams],
                depth: int, prefix: str) -> tuple[list[int], dict[str, Any]]:
     """One timed batch with a StepProbe attached: tok/s and where a step's time goes (GPU forward
-    + sampling, the commit's wait for the GPU, the grammar-mask fill on the host and the part of
-    it finalize waited for)."""
+    + sampling, the commit's wait for the GPU, the grammar-mask fill on the host)."""
     runner = core.runner
     core.pipeline.depth = depth
     probe = StepProbe(runner.device)
     runner.probe = probe
-    fill_s, wait_s, steps = runner.grammar_fill_s, runner.grammar_wait_s, runner.step_count
+    fill_s, steps = runner.grammar_fill_s, runner.step_count
     try:
         lengths, wall, reasons = _run_batch(core, prompts, params)
     finally:
@@ -105,8 +103,7 @@ def _timed_run(core: EngineCore, prompts: list[list[int]], params: list[Sampling
     row = {f"{prefix}_tok_per_s": sum(lengths) / wall, f"{prefix}_steps": n,
            f"{prefix}_ms_per_step": wall * ms, f"{prefix}_gpu_ms_per_step": probe.gpu_seconds() * ms,
            f"{prefix}_wait_ms_per_step": probe.wait_s * ms,
-           f"{prefix}_mask_fill_ms_per_step": (runner.grammar_fill_s - fill_s) * ms,
-           f"{prefix}_mask_wait_ms_per_step": (runner.grammar_wait_s - wait_s) * ms}
+           f"{prefix}_mask_fill_ms_per_step": (runner.grammar_fill_s - fill_s) * ms}
     if params[0].structured_outputs is not None:
         row[f"{prefix}_finish_reasons"] = dict(reasons)
     return lengths, row

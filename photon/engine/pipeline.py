@@ -3,9 +3,8 @@
 One call of `step()` is one iteration:
   1. plan(t+1)      scheduler builds the batch, assuming every running request continues
   2. launch(t+1)    runner stages inputs into the free slot and enqueues the forward
-  3. commit(t)      wait for step t's tokens (the only host sync), advance grammar matchers, start
-                    the grammar-mask fill of t+1 on a thread, append, stop checks, finalize
-  4. finalize(t+1)  sample t+1 with the state committed at t (waiting for that fill); enqueue D2H
+  3. commit(t)      wait for step t's tokens (the only host sync), append, stop checks, finalize
+  4. finalize(t+1)  sample t+1 with the state committed at t; enqueue the D2H copy
 At depth 2 (pipelined) the GPU runs forward t+1 while the host commits t. At depth 1 (blocking) the
 same code commits each step right after finalizing it: the A/B baseline and the test oracle.
 """
@@ -13,7 +12,6 @@ same code commits each step right after finalizing it: the A/B baseline and the 
 from __future__ import annotations
 
 from collections import deque
-from functools import partial
 
 from photon.engine.request import Request
 from photon.engine.scheduler import Scheduler
@@ -36,7 +34,7 @@ class Pipeline:
         touched: list[Request] = []
         committed = bool(self.inflight)
         if committed:
-            touched += self._commit(self.inflight.popleft(), handle)
+            touched += self._commit(self.inflight.popleft())
         if handle is not None:
             self.runner.finalize(handle)
             self.inflight.append(handle)
@@ -46,13 +44,9 @@ class Pipeline:
             raise RuntimeError("engine made no progress: nothing schedulable and nothing in flight")
         return touched
 
-    def _commit(self, handle: StepHandle, following: StepHandle | None = None) -> list[Request]:
-        """Commit `handle`; `following` (launched, not yet finalized) gets its mask fill started
-        as soon as the matchers hold this step's tokens."""
+    def _commit(self, handle: StepHandle) -> list[Request]:
         tokens = self.runner.wait(handle)
-        start_fill = (partial(self.runner.begin_grammar_fill, following)
-                      if following is not None else None)
-        return self.scheduler.commit(handle.rows, tokens, start_fill)
+        return self.scheduler.commit(handle.rows, tokens)
 
     @property
     def idle(self) -> bool:

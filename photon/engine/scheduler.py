@@ -187,22 +187,15 @@ class Scheduler:
         self._maybe_release(req)
 
     # ---- commit -------------------------------------------------------------------------------
-    def commit(self, rows: list[ScheduledRow], tokens: list[CommittedToken | None],
-               grammars_advanced: Callable[[], None] | None = None) -> list[Request]:
-        """Apply one step's results; return the requests that got a token or were finalized.
-        Grammar matchers advance first, then `grammars_advanced` runs (the pipeline starts the
-        next step's mask fill there, overlapping the rest of this commit); the rest of commit
-        reads only the cached grammar state."""
-        rejected = self._advance_grammars(rows, tokens)
-        if grammars_advanced is not None:
-            grammars_advanced()
+    def commit(self, rows: list[ScheduledRow], tokens: list[CommittedToken | None]) -> list[Request]:
+        """Apply one step's results; return the requests that got a token or were finalized."""
         touched: list[Request] = []
         for row, tok in zip(rows, tokens):
             req = row.request
             if row.sample:
                 req.num_pending -= 1
                 if not req.finalized and tok is not None:
-                    self._append(req, tok, req.request_id in rejected)
+                    self._append(req, tok)
                     touched.append(req)
             req.inflight_refs -= 1
             if req.status is RequestStatus.RUNNING:
@@ -214,7 +207,7 @@ class Scheduler:
                 self._maybe_release(req)  # only preempted or finished requests release
         return touched
 
-    def _append(self, req: Request, tok: CommittedToken, rejected: bool) -> None:
+    def _append(self, req: Request, tok: CommittedToken) -> None:
         req.output_token_ids.append(tok.token_id)
         if tok.logprob is not None:
             req.cumulative_logprob += tok.logprob
@@ -222,29 +215,19 @@ class Scheduler:
             entry[tok.token_id] = tok.logprob
             req.logprobs.append(entry)
         stop_str = req.detokenizer.update(tok.token_id) if req.detokenizer else None
-        reason = None
-        if rejected:
-            req.error = f"internal error: the grammar rejected sampled token {tok.token_id}"
-            reason = FinishReason.ABORT
-        elif req.grammar is not None and req.grammar.is_terminated():
-            reason = FinishReason.STOP
+        reason = self._advance_grammar(req, tok.token_id) if req.grammar is not None else None
         reason = reason or self._check_stop(req, tok.token_id, stop_str)
         if reason is not None:
             self.finalize(req, reason)
 
     @staticmethod
-    def _advance_grammars(rows: list[ScheduledRow], tokens: list[CommittedToken | None]
-                          ) -> set[str]:
-        """Feed each grammar row's token to its matcher (the rows `commit` appends to; zombies
-        never advance one). The mask makes a rejection impossible, so one is an engine bug: the
-        request ends (ABORT, with `error`) instead of the engine. Returns the rejecting ones' ids."""
-        rejected: set[str] = set()
-        for row, tok in zip(rows, tokens):
-            req = row.request
-            if (req.grammar is not None and row.sample and tok is not None and not req.finalized
-                    and not req.grammar.accept(tok.token_id)):
-                rejected.add(req.request_id)
-        return rejected
+    def _advance_grammar(req: Request, token_id: int) -> FinishReason | None:
+        """The matcher advances at commit. The mask makes a rejection impossible, so one is an
+        engine bug: the request ends (ABORT, with `error`) instead of the engine."""
+        if not req.grammar.accept(token_id):
+            req.error = f"internal error: the grammar rejected sampled token {token_id}"
+            return FinishReason.ABORT
+        return FinishReason.STOP if req.grammar.is_terminated() else None
 
     def _check_stop(self, req: Request, token_id: int, stop_str: str | None) -> FinishReason | None:
         num_out = len(req.output_token_ids)

@@ -11,7 +11,6 @@ allowed under a grammar.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -47,8 +46,8 @@ class GrammarBackend(Protocol):
     def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor,
                       indices: list[int]) -> None:
         """Row indices[i] of `bitmask` (CPU int32 [R, mask_words], contiguous) <- the allowed next
-        tokens of matchers[i]. Matchers are independent, so a backend may fill rows in parallel;
-        it returns once every row is written."""
+        tokens of matchers[i]. Matchers are independent, so a backend may fill rows in parallel
+        (up to its `threads`); it returns once every row is written."""
 
 
 BackendFactory = Callable[[Tokenizer, int, int], GrammarBackend]
@@ -77,9 +76,3 @@ def create_backend(name: str, tokenizer: Tokenizer, vocab_size: int, threads: in
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
-
-def default_fill_threads() -> int:
-    """All cores but two (the server's event loop and the tokenizer keep those), at most 16: one
-    JSON row's mask can take ~1 ms with a ~120k vocabulary (docs/benchmarks.md), and the engine
-    thread waits for the step's fills anyway."""
-    return max(1, min(16, (os.cpu_count() or 2) - 2))

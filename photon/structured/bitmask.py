@@ -11,9 +11,8 @@ and the tail set: no constraint.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,21 +43,11 @@ def mask_views(flat: torch.Tensor, rows: int, words: int) -> TokenMask:
     return TokenMask(bits, flat[rows * words:rows * (words + 1)])
 
 
-@dataclass
-class MaskFill:
-    """One step's grammar rows, ready for the backend: matchers[i] fills mask.bits[indices[i]]."""
-
-    mask: TokenMask
-    matchers: list[Any] = field(default_factory=list)
-    indices: list[int] = field(default_factory=list)
-    future: Future | None = None  # set while the fill runs on a thread
-
-
-def prepare_fill(rows: list[ScheduledRow], mask: TokenMask) -> MaskFill:
-    """Row j of `mask` for the j-th sampling row: allow-all (bits and tail) for rows without a
-    grammar, zombie rows and terminated grammars; the grammar rows are left to the backend, tail
-    0. Each grammar's matcher must have accepted exactly the outputs before its row."""
-    fill = MaskFill(mask)
+def fill_bitmasks(rows: list[ScheduledRow], mask: TokenMask, backend: GrammarBackend) -> None:
+    """Row j of `mask` for the j-th sampling row, from the matcher state committed so far: every
+    output before the row's `out_index` has been accepted. The backend fills the grammar rows in
+    one call."""
+    todo: list[int] = []
     for j, row in enumerate(rows):
         req = row.request
         grammar = req.grammar
@@ -66,22 +55,15 @@ def prepare_fill(rows: list[ScheduledRow], mask: TokenMask) -> MaskFill:
             continue
         assert grammar.num_accepted == row.out_index, \
             "grammar mask built before the previous token was committed"
-        fill.matchers.append(grammar.matcher)
-        fill.indices.append(j)
+        todo.append(j)
     mask.tail.fill_(ALLOW_ALL)
-    if len(fill.indices) < len(rows):
+    if len(todo) < len(rows):
         free = torch.ones(len(rows), dtype=torch.bool)
-        free[fill.indices] = False
+        free[todo] = False
         mask.bits[free] = ALLOW_ALL
-    if fill.indices:
-        mask.tail[fill.indices] = 0
-    return fill
-
-
-def fill_bitmasks(rows: list[ScheduledRow], mask: TokenMask, backend: GrammarBackend) -> None:
-    """`prepare_fill`, then the backend fills the grammar rows (on its threads)."""
-    fill = prepare_fill(rows, mask)
-    backend.fill_bitmasks(fill.matchers, mask.bits, fill.indices)
+    if todo:
+        mask.tail[todo] = 0
+        backend.fill_bitmasks([rows[j].request.grammar.matcher for j in todo], mask.bits, todo)
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:

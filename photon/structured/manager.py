@@ -18,13 +18,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from photon.structured.backend import (
-    GrammarBackend,
-    GrammarError,
-    GrammarMatcher,
-    create_backend,
-    default_fill_threads,
-)
+from photon.structured.backend import GrammarBackend, GrammarError, GrammarMatcher, create_backend
 from photon.structured.params import StructuredOutputsParams
 from photon.tokenizer import Tokenizer
 
@@ -33,7 +27,7 @@ CACHE_ENTRIES = 1024
 
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: Tokenizer, vocab_size: int, timeout_s: float,
-                 max_workers: int = 2, fill_threads: int | None = None) -> None:
+                 max_workers: int = 2, fill_threads: int = 1) -> None:
         self.backend_name = backend
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -43,7 +37,7 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="photon-grammar")
         # The backend's threads for a step's mask fills (the model runner's finalize).
-        self.fill_threads = fill_threads or default_fill_threads()
+        self.fill_threads = fill_threads
 
     @property
     def backend(self) -> GrammarBackend:
@@ -112,6 +106,6 @@ class RequestGrammar:
         return True
 
     def is_terminated(self) -> bool:
-        """Complete and its stop token accepted: no more tokens (cached at accept, so commit can
-        read it while a mask fill uses the matcher on another thread)."""
+        """Complete and its stop token accepted: no more tokens (cached at accept: commit and the
+        mask fill both ask every step)."""
         return self.terminated

@@ -7,17 +7,15 @@ padding ids (photon-tiny's tokenizer on a 151,936-wide model) cost 28 us per acc
 2 us for 1k. Ids past the tokenizer can never be produced under a grammar: mask rows are the
 tokenizer's words wide (`mask_words`), and the apply treats the ids past them as disallowed.
 
-A step's masks are filled by xgrammar's `BatchGrammarMatcher`: one call, no Python per row, the GIL
-released. Its threaded mode starts its threads on every call (~0.1-0.3 ms), which costs more than
-it saves while rows are cheap (5-10 us in structural JSON states) and halves the fill while they
-are dear (0.3-1 ms inside a bounded string or a ranged number, ~120k vocabulary). So the backend
-fills on one thread until the serial cost of the previous step's fill passes `PARALLEL_FILL_S`
-(docs/benchmarks.md has the H200 figures behind this)."""
+A step's masks are filled by xgrammar's `BatchGrammarMatcher` in one call: no Python per row, the
+GIL released. By default on one thread: its threaded mode starts threads on every call, and on the
+H200 host it was never faster for the benchmark batches (docs/benchmarks.md), because most rows
+cost 5-10 us; `--structured-outputs-threads` turns it on for batches of dear rows (0.3-1 ms
+inside a bounded string or a ranged number with a ~120k vocabulary)."""
 
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import torch
@@ -26,10 +24,6 @@ import xgrammar as xgr
 from photon.structured.backend import GrammarError, bitmask_width, register_backend
 from photon.structured.params import StructuredOutputsParams
 from photon.tokenizer import Tokenizer
-
-# Threads pay off once a step's fill would take this long on one thread (xgrammar's threaded mode
-# costs ~0.1-0.3 ms to start; see the module docstring).
-PARALLEL_FILL_S = 1e-3
 
 
 def _vocab_type(tokenizer: Tokenizer) -> tuple[xgr.VocabType, bool]:
@@ -77,10 +71,7 @@ class XGrammarBackend:
         self.info = tokenizer_info(tokenizer, vocab_size)
         # photon's manager caches compiled grammars by spec; one cache is enough.
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self.serial = xgr.BatchGrammarMatcher(1)
-        self.parallel = xgr.BatchGrammarMatcher(threads) if threads > 1 else None
-        self.threads = threads
-        self.row_cost_s = 0.0  # one row's fill on one thread, as of the last step
+        self.batch = xgr.BatchGrammarMatcher(threads)
         self.mask_words = bitmask_width(self.info.vocab_size)
 
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
@@ -110,17 +101,9 @@ class XGrammarBackend:
 
     def fill_bitmasks(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor,
                       indices: list[int]) -> None:
-        n = len(matchers)
-        if n == 0:
-            return
-        # The choice changes only the speed: every row's mask is the same either way.
-        parallel = (self.parallel is not None and n > 1
-                    and self.row_cost_s * n > PARALLEL_FILL_S)
-        batch = self.parallel if parallel else self.serial
-        start = time.perf_counter()
-        batch.batch_fill_next_token_bitmask([m.handle for m in matchers], bitmask, indices)
-        spent = time.perf_counter() - start
-        self.row_cost_s = spent * (min(self.threads, n) if parallel else 1) / n
+        if matchers:
+            self.batch.batch_fill_next_token_bitmask([m.handle for m in matchers], bitmask,
+                                                     indices)
 
 
 # xgrammar (0.2.x) spells a character of a length-bounded JSON string (maxLength/minLength) with a

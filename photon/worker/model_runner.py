@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,7 @@ from photon.engine.request import Request
 from photon.engine.scheduler import CommittedToken, ScheduledRow, SchedulerOutput
 from photon.model.loader import load_model
 from photon.structured.backend import bitmask_width
-from photon.structured.bitmask import MaskFill, TokenMask, mask_numel, mask_views, prepare_fill
+from photon.structured.bitmask import TokenMask, fill_bitmasks, mask_numel, mask_views
 from photon.structured.manager import StructuredOutputManager
 from photon.worker.cuda_graph import DecodeGraphs, pad_decode_arrays
 from photon.worker.decode_inputs import RowState, build_decode_arrays, is_plain_decode
@@ -52,7 +51,6 @@ class StepHandle:
     num_sampled: int = 0
     max_logprobs: int = -1
     marks: StepMarks | None = None  # set only while a StepProbe is attached (benchmarks)
-    mask_fill: MaskFill | None = None  # grammar masks being filled since commit(t) (pipelined)
 
 
 class ModelRunner:
@@ -88,11 +86,7 @@ class ModelRunner:
                                8 * max_seqs, mask_size) for i in range(2)]
         self.sampler = Sampler()
         self.step_count = 0
-        # Host seconds in grammar-mask fills, and the part finalize waited for (not hidden behind
-        # commit); bench structured reports both. The fill thread is the only writer of the first.
-        self.grammar_fill_s = 0.0
-        self.grammar_wait_s = 0.0
-        self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="photon-mask-fill")
+        self.grammar_fill_s = 0.0  # host time in grammar-mask fills (bench structured reports it)
         self.probe: StepProbe | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -205,45 +199,20 @@ class ModelRunner:
         return self.model(input_ids, dev["positions"], ctx)
 
     # ---- finalize -----------------------------------------------------------------------------
-    def begin_grammar_fill(self, h: StepHandle) -> None:
-        """commit(t) calls this once every matcher holds token t: step t+1's masks fill on the
-        fill thread while commit(t) finishes. Nothing for steps without a grammar row."""
-        if h.num_sampled == 0 or not h.arrays.flags["any_grammar"]:
-            return
-        h.mask_fill = self._prepare_fill(h)
-        h.mask_fill.future = self._fill_thread.submit(self._run_fill, h.mask_fill)
-        # CPython hands the GIL to a waiting thread only after a 5 ms switch interval: yield it
-        # once, so the fill starts now rather than after commit's Python work (the backend
-        # releases the GIL while it fills).
-        time.sleep(0)
-
-    def _prepare_fill(self, h: StepHandle) -> MaskFill:
-        assert self.structured is not None, "a grammar row reached a runner without grammars"
-        mask = mask_views(h.slot.mask_host, h.num_sampled, self.structured.backend.mask_words)
-        return prepare_fill([h.rows[i] for i in h.arrays.sample_rows], mask)
-
-    def _run_fill(self, fill: MaskFill) -> None:
-        start = time.perf_counter()
-        self.structured.backend.fill_bitmasks(fill.matchers, fill.mask.bits, fill.indices)
-        self.grammar_fill_s += time.perf_counter() - start
-
     def _grammar_bitmask(self, h: StepHandle) -> TokenMask | None:
-        """The step's grammar masks, from the matchers as of commit(t): the fill started there
-        (pipelined) or runs now (blocking; forward t+1 is running meanwhile either way). Then
-        their H2D is enqueued. None when no sampling row has a grammar (a host flag): plain
-        steps pay nothing."""
+        """Fill the step's grammar masks on the host (forward t+1 is running meanwhile) from the
+        matchers as of commit(t), and enqueue their H2D. None when no sampling row has a grammar
+        (a host flag): plain steps pay nothing."""
         if not h.arrays.flags["any_grammar"]:
             return None
+        assert self.structured is not None, "a grammar row reached a runner without grammars"
+        backend = self.structured.backend
+        n, words = h.num_sampled, backend.mask_words
         start = time.perf_counter()
-        fill = h.mask_fill
-        if fill is None:
-            fill = self._prepare_fill(h)
-            self._run_fill(fill)
-        else:
-            fill.future.result()
-        self.grammar_wait_s += time.perf_counter() - start
-        rows, words = fill.mask.bits.shape
-        return mask_views(h.slot.upload_mask(self.streams, mask_numel(rows, words)), rows, words)
+        fill_bitmasks([h.rows[i] for i in h.arrays.sample_rows],
+                      mask_views(h.slot.mask_host, n, words), backend)
+        self.grammar_fill_s += time.perf_counter() - start
+        return mask_views(h.slot.upload_mask(self.streams, mask_numel(n, words)), n, words)
 
     def _sampling_batch(self, h: StepHandle) -> SamplingBatch:
         d, f = h.dev, h.arrays.flags
