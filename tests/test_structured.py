@@ -269,3 +269,18 @@ def _apply(logits, mask):
     from photon.structured.bitmask import apply_token_bitmask
 
     return apply_token_bitmask(logits, mask)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 32, 127])
+def test_mask_layout_tail_is_aligned_and_disjoint(rows: int) -> None:
+    """The tail starts on 16 bytes whatever the row count (one Triton variant, not two), after
+    the bits and inside mask_numel."""
+    import torch
+
+    from photon.structured.bitmask import mask_numel, mask_views
+
+    flat = torch.zeros(mask_numel(128, 3835), dtype=torch.int32)
+    mask = mask_views(flat, rows, 3835)
+    assert mask.tail.data_ptr() % 16 == 0 and mask.tail.numel() == rows
+    assert mask.tail.data_ptr() >= mask.bits.data_ptr() + mask.bits.numel() * 4
+    assert (mask.tail.data_ptr() - flat.data_ptr()) // 4 + rows == mask_numel(rows, 3835)

@@ -6,7 +6,8 @@ without a grammar, with each request's max_tokens set to the length its constrai
 (EOS ignored), so both batches generate the same number of tokens. Decode tokens/s = generated
 tokens / wall time of the batch. Grammars are compiled (and cached) before timing. Each run also
 reports its steps and, per step, the wall time, the GPU time (forward + sampling, CUDA events), the
-commit's wait for the GPU and the host's grammar-mask fill.
+commit's wait for the GPU and the host's grammar-mask fill; and the median and longest iteration
+and the time spent in iterations over 10 ms (compiles, collector pauses).
 """
 
 from __future__ import annotations
@@ -65,10 +66,11 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run_structured)
 
 
-def _run_batch(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]
-               ) -> tuple[list[int], float, Counter[str]]:
+def _run_batch(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams],
+               step_s: list[float] | None = None) -> tuple[list[int], float, Counter[str]]:
     """Run to completion; return each request's output length, the wall time and the count of
-    each finish reason (a grammar request must end with "stop" or "length", never "abort")."""
+    each finish reason (a grammar request must end with "stop" or "length", never "abort").
+    `step_s` receives every iteration's wall time."""
     if core.runner.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -76,7 +78,11 @@ def _run_batch(core: EngineCore, prompts: list[list[int]], params: list[Sampling
     lengths: dict[str, int] = {}
     reasons: Counter[str] = Counter()
     while core.has_unfinished():
-        for out in core.step():
+        t_step = time.perf_counter()
+        outs = core.step()
+        if step_s is not None:
+            step_s.append(time.perf_counter() - t_step)
+        for out in outs:
             if out.finished:
                 lengths[out.request_id] = len(out.outputs[0].token_ids)
                 reasons[str(out.outputs[0].finish_reason)] += 1
@@ -94,16 +100,21 @@ def _timed_run(core: EngineCore, prompts: list[list[int]], params: list[Sampling
     probe = StepProbe(runner.device)
     runner.probe = probe
     fill_s, steps = runner.grammar_fill_s, runner.step_count
+    step_s: list[float] = []
     try:
-        lengths, wall, reasons = _run_batch(core, prompts, params)
+        lengths, wall, reasons = _run_batch(core, prompts, params, step_s)
     finally:
         runner.probe = None
+    step_s.sort()
     n = max(1, runner.step_count - steps)
     ms = 1e3 / n
     row = {f"{prefix}_tok_per_s": sum(lengths) / wall, f"{prefix}_steps": n,
            f"{prefix}_ms_per_step": wall * ms, f"{prefix}_gpu_ms_per_step": probe.gpu_seconds() * ms,
            f"{prefix}_wait_ms_per_step": probe.wait_s * ms,
-           f"{prefix}_mask_fill_ms_per_step": (runner.grammar_fill_s - fill_s) * ms}
+           f"{prefix}_mask_fill_ms_per_step": (runner.grammar_fill_s - fill_s) * ms,
+           f"{prefix}_step_ms_p50": 1e3 * step_s[len(step_s) // 2],
+           f"{prefix}_step_ms_max": 1e3 * step_s[-1],
+           f"{prefix}_ms_in_steps_over_10ms": 1e3 * sum(t for t in step_s if t > 0.01)}
     if params[0].structured_outputs is not None:
         row[f"{prefix}_finish_reasons"] = dict(reasons)
     return lengths, row

@@ -4,7 +4,9 @@ Layout of one step's masks for R sampling rows, packed in one flat int32 buffer 
   bits [R, W]  the backend's packing (xgrammar's): bit `v % 32` of word `v // 32` set = token v
                allowed, for the ids the backend covers, v < 32 * W (W = `mask_words`, the
                tokenizer's ids; it may be narrower than the model's padded vocabulary)
-  tail [R]     whether ids v >= 32 * W are allowed: 0 under a grammar, -1 without one
+  tail [R]     whether ids v >= 32 * W are allowed: 0 under a grammar, -1 without one; it starts
+               on a 16-byte boundary (Triton specializes kernels on pointer alignment, so an
+               offset that moved with R would compile a second variant mid-run)
 Rows without a grammar, zombie rows (finalized at commit(t)) and terminated grammars get all bits
 and the tail set: no constraint.
 """
@@ -33,14 +35,19 @@ class TokenMask:
         return self.bits.numel() + self.tail.numel()
 
 
+def _tail_offset(rows: int, words: int) -> int:
+    return (rows * words + 3) // 4 * 4
+
+
 def mask_numel(rows: int, words: int) -> int:
-    return rows * (words + 1)
+    return _tail_offset(rows, words) + rows
 
 
 def mask_views(flat: torch.Tensor, rows: int, words: int) -> TokenMask:
     """The layout above over the head of a flat int32 buffer (host or device)."""
     bits = flat[:rows * words].view(rows, words)
-    return TokenMask(bits, flat[rows * words:rows * (words + 1)])
+    tail = _tail_offset(rows, words)
+    return TokenMask(bits, flat[tail:tail + rows])
 
 
 def fill_bitmasks(rows: list[ScheduledRow], mask: TokenMask, backend: GrammarBackend) -> None:
