@@ -7,12 +7,14 @@ without a grammar, with each request's max_tokens set to the length its constrai
 tokens / wall time of the batch. Grammars are compiled (and cached) before timing. Each run also
 reports its steps and, per step, the wall time, the GPU time (forward + sampling, CUDA events), the
 commit's wait for the GPU and the host's grammar-mask fill; and the median and longest iteration
-and the time spent in iterations over 10 ms (compiles, collector pauses).
+(when it ran, how many requests were running), the time spent in iterations over 10 ms and in
+garbage-collector pauses: what makes outliers.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -66,11 +68,43 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run_structured)
 
 
+class StepLog:
+    """Iteration times of a run and the collector's pauses during it (both explain outliers)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float, int]] = []  # (start, seconds, rows in flight)
+        self.gc_s = 0.0
+        self._gc_start = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._gc_start
+
+    def __enter__(self) -> StepLog:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def summary(self, prefix: str) -> dict[str, Any]:
+        times = sorted(t for _, t, _ in self.steps)
+        start, slowest, rows = max(self.steps, key=lambda s: s[1])
+        return {f"{prefix}_step_ms_p50": 1e3 * times[len(times) // 2],
+                f"{prefix}_step_ms_max": 1e3 * slowest,
+                f"{prefix}_slowest_step": {"index": [s[0] for s in self.steps].index(start),
+                                           "running": rows, "unix_time": start},
+                f"{prefix}_ms_in_steps_over_10ms": 1e3 * sum(t for t in times if t > 0.01),
+                f"{prefix}_gc_ms": 1e3 * self.gc_s}
+
+
 def _run_batch(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams],
-               step_s: list[float] | None = None) -> tuple[list[int], float, Counter[str]]:
+               log: StepLog | None = None) -> tuple[list[int], float, Counter[str]]:
     """Run to completion; return each request's output length, the wall time and the count of
     each finish reason (a grammar request must end with "stop" or "length", never "abort").
-    `step_s` receives every iteration's wall time."""
+    `log` receives every iteration's time."""
     if core.runner.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -78,10 +112,10 @@ def _run_batch(core: EngineCore, prompts: list[list[int]], params: list[Sampling
     lengths: dict[str, int] = {}
     reasons: Counter[str] = Counter()
     while core.has_unfinished():
-        t_step = time.perf_counter()
+        t_step, unix = time.perf_counter(), time.time()
         outs = core.step()
-        if step_s is not None:
-            step_s.append(time.perf_counter() - t_step)
+        if log is not None:
+            log.steps.append((unix, time.perf_counter() - t_step, len(core.scheduler.running)))
         for out in outs:
             if out.finished:
                 lengths[out.request_id] = len(out.outputs[0].token_ids)
@@ -100,21 +134,18 @@ def _timed_run(core: EngineCore, prompts: list[list[int]], params: list[Sampling
     probe = StepProbe(runner.device)
     runner.probe = probe
     fill_s, steps = runner.grammar_fill_s, runner.step_count
-    step_s: list[float] = []
     try:
-        lengths, wall, reasons = _run_batch(core, prompts, params, step_s)
+        with StepLog() as log:
+            lengths, wall, reasons = _run_batch(core, prompts, params, log)
     finally:
         runner.probe = None
-    step_s.sort()
     n = max(1, runner.step_count - steps)
     ms = 1e3 / n
     row = {f"{prefix}_tok_per_s": sum(lengths) / wall, f"{prefix}_steps": n,
            f"{prefix}_ms_per_step": wall * ms, f"{prefix}_gpu_ms_per_step": probe.gpu_seconds() * ms,
            f"{prefix}_wait_ms_per_step": probe.wait_s * ms,
            f"{prefix}_mask_fill_ms_per_step": (runner.grammar_fill_s - fill_s) * ms,
-           f"{prefix}_step_ms_p50": 1e3 * step_s[len(step_s) // 2],
-           f"{prefix}_step_ms_max": 1e3 * step_s[-1],
-           f"{prefix}_ms_in_steps_over_10ms": 1e3 * sum(t for t in step_s if t > 0.01)}
+           **log.summary(prefix)}
     if params[0].structured_outputs is not None:
         row[f"{prefix}_finish_reasons"] = dict(reasons)
     return lengths, row
