@@ -142,7 +142,14 @@ def _decode_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_spl
              mask=dmask)
 
 
-@triton.jit
+# Prefill runs eagerly with every batch shape: block-table width, context bound and the packed
+# per-sequence arrays' offsets vary step to step, and specializing on them compiled new variants
+# mid-run (~0.3-0.5 s each). They feed scalar index math only.
+_PREFILL_VARYING = ["bt_ptr", "seq_lens_ptr", "qsl_ptr", "max_ctx", "stride_bt"]
+
+
+@triton.jit(do_not_specialize=["max_ctx", "stride_bt"],
+            do_not_specialize_on_alignment=_PREFILL_VARYING)
 def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, scale, max_ctx,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_kv, stride_blk, stride_off, stride_ch,

@@ -192,7 +192,11 @@ def _top_p_cutoff(row_ptr, vocab, temp, m, floor, p, BLOCK: tl.constexpr, NPIV: 
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.jit
+# Per-row scalars come from the step's packed staging buffers at offsets that move with the batch
+# size; Triton would compile a variant per pointer alignment (~0.3-0.5 s each, mid-run), and
+# alignment buys nothing for one scalar load per row.
+@triton.jit(do_not_specialize_on_alignment=["temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr",
+                                            "out_ptr"])
 def _threshold_kernel(logits_ptr, stride, vocab, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                       out_ptr, greedy_eps, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
                       USE_MIN_P: tl.constexpr, BLOCK: tl.constexpr, NPIV: tl.constexpr):
@@ -216,7 +220,8 @@ def _threshold_kernel(logits_ptr, stride, vocab, temp_ptr, top_k_ptr, top_p_ptr,
     tl.store(out_ptr + row, thr)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["temp_ptr", "keys_ptr", "counters_ptr", "thr_ptr",
+                                            "out_ptr"])
 def _gumbel_argmax_kernel(logits_ptr, stride, vocab, temp_ptr, keys_ptr, counters_ptr, thr_ptr,
                           out_ptr, greedy_eps, HAS_THRESHOLD: tl.constexpr,
                           BLOCK: tl.constexpr):
@@ -248,7 +253,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, vocab, temp_ptr, keys_ptr, counter
     tl.store(out_ptr + row, first.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["keys_ptr", "counters_ptr"])
 def _noise_bits_kernel(keys_ptr, counters_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     seed = _row_seed(tl.load(keys_ptr + row).to(tl.int64), tl.load(counters_ptr + row).to(tl.int64))
