@@ -90,8 +90,9 @@ def test_grammar_pipelined_equals_blocking_property(kinds: list, budget: int, ti
 
 
 def test_grammar_rows_on_threads_equal_serial() -> None:
-    """32 grammar rows a step: with 4 backend threads the masks are filled in parallel; tokens,
-    finish reasons and the drain invariants equal the one-thread run."""
+    """32 grammar rows a step: with 4 backend threads the rows are dealt to 4 parallel xgrammar
+    calls (while at least 8 rows each remain); tokens, finish reasons and the drain invariants
+    equal the one-thread run."""
     rng = random.Random(11)
     grammars = [SO(json=SCHEMA), SO(regex=REGEX), SO(choice=["on", "off", "onward"])]
     specs = [Spec([rng.randrange(3, 1000) for _ in range(rng.randrange(2, 20))],
@@ -103,10 +104,28 @@ def test_grammar_rows_on_threads_equal_serial() -> None:
     serial, _ = run(_engine(True, structured_outputs_threads=1, **kw), specs)
     engine = _engine(True, structured_outputs_threads=4, **kw)
     assert engine.engine.structured.fill_threads == 4
+    split = engine.engine.structured.backend.fill
+    second = split.batches[1] = _CountingBatch(split.batches[1])  # used from 16 rows on
     threaded, _ = run(engine, specs)
     assert threaded == serial
+    assert second.calls > 0 and min(second.rows) >= 8  # each part got at least 8 rows
     tok = engine.engine.tokenizer
     for i in range(0, 32, 3):
         ids, finish = serial[f"r{i}"][0]
         if finish == "stop":
             jsonschema.validate(json.loads(tok.decode(ids)), SCHEMA)
+
+
+class _CountingBatch:
+    """Wraps one part's BatchGrammarMatcher, recording how many rows each call filled."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.rows = inner, []
+
+    @property
+    def calls(self) -> int:
+        return len(self.rows)
+
+    def batch_fill_next_token_bitmask(self, handles: list, *args: object) -> None:
+        self.rows.append(len(handles))
+        self.inner.batch_fill_next_token_bitmask(handles, *args)

@@ -7,15 +7,16 @@ padding ids (photon-tiny's tokenizer on a 151,936-wide model) cost 28 us per acc
 2 us for 1k. Ids past the tokenizer can never be produced under a grammar: mask rows are the
 tokenizer's words wide (`mask_words`), and the apply treats the ids past them as disallowed.
 
-A step's masks are filled by xgrammar's `BatchGrammarMatcher` in one call: no Python per row, the
-GIL released. By default on one thread: its threaded mode starts threads on every call, and on the
-H200 host it was never faster for the benchmark batches (docs/benchmarks.md), because most rows
-cost 5-10 us; `--structured-outputs-threads` turns it on for batches of dear rows (0.3-1 ms
-inside a bounded string or a ranged number with a ~120k vocabulary)."""
+A step's masks are filled by xgrammar's `BatchGrammarMatcher`: no Python per row, the GIL released.
+Its own threaded mode starts threads on every call, which on the H200 host made every benchmark
+batch slower (most rows cost 5-10 us; a few, inside a bounded string or a ranged number, 0.3-1 ms
+with a ~120k vocabulary). `SplitFill` instead deals the rows round-robin to persistent threads,
+each running a one-thread batch call (`--structured-outputs-threads`, default 1)."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -66,12 +67,39 @@ class XGrammarMatcher:
         return self.handle.is_terminated()
 
 
+MIN_ROWS_PER_PART = 8  # fewer rows than this per thread: dispatch costs more than it saves
+
+
+class SplitFill:
+    def __init__(self, threads: int) -> None:
+        self.batches = [xgr.BatchGrammarMatcher(1) for _ in range(threads)]  # one per thread
+        self.pool = (ThreadPoolExecutor(threads - 1, thread_name_prefix="photon-mask-fill")
+                     if threads > 1 else None)
+
+    def __call__(self, handles: list[xgr.GrammarMatcher], bitmask: torch.Tensor,
+                 indices: list[int]) -> None:
+        """Returns once every row is written (or re-raises a part's error)."""
+        parts = min(len(self.batches), len(handles) // MIN_ROWS_PER_PART)
+        if parts <= 1 or self.pool is None:
+            self.batches[0].batch_fill_next_token_bitmask(handles, bitmask, indices)
+            return
+        futures = [self.pool.submit(self.batches[p].batch_fill_next_token_bitmask,
+                                    handles[p::parts], bitmask, indices[p::parts])
+                   for p in range(1, parts)]
+        try:
+            self.batches[0].batch_fill_next_token_bitmask(handles[::parts], bitmask,
+                                                          indices[::parts])
+        finally:
+            for f in futures:
+                f.result()
+
+
 class XGrammarBackend:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, threads: int = 1) -> None:
         self.info = tokenizer_info(tokenizer, vocab_size)
         # photon's manager caches compiled grammars by spec; one cache is enough.
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self.batch = xgr.BatchGrammarMatcher(threads)
+        self.fill = SplitFill(threads)
         self.mask_words = bitmask_width(self.info.vocab_size)
 
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
@@ -102,8 +130,7 @@ class XGrammarBackend:
     def fill_bitmasks(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor,
                       indices: list[int]) -> None:
         if matchers:
-            self.batch.batch_fill_next_token_bitmask([m.handle for m in matchers], bitmask,
-                                                     indices)
+            self.fill([m.handle for m in matchers], bitmask, indices)
 
 
 # xgrammar (0.2.x) spells a character of a length-bounded JSON string (maxLength/minLength) with a
