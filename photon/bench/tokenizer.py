@@ -18,7 +18,7 @@ import sys
 import sysconfig
 from collections.abc import Iterator
 
-from photon.model.tiny import _tokenizer_config, _write_json, build_tokenizer, ensure_generated
+from photon.model.tiny import build_tokenizer, ensure_generated, tokenizer_config, write_json
 
 TARGET_VOCAB = 151_643
 _FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -45,8 +45,8 @@ def stdlib_texts() -> Iterator[str]:
 def write_bench_tokenizer(out_dir: str) -> None:
     tok = build_tokenizer(TARGET_VOCAB, stdlib_texts())
     tok.save(os.path.join(out_dir, "tokenizer.json"), pretty=False)
-    _write_json(out_dir, "tokenizer_config.json",
-                _tokenizer_config({t: tok.token_to_id(t) for t in _SPECIALS}))
+    write_json(out_dir, "tokenizer_config.json",
+                tokenizer_config({t: tok.token_to_id(t) for t in _SPECIALS}))
 
 
 def ensure_bench_tokenizer(cache_dir: str | None = None) -> str:

@@ -193,13 +193,13 @@ def write_photon_tiny(out_dir: str) -> None:
     special = {tok: tokenizer.token_to_id(tok) for tok in _SPECIAL_TOKENS}
     vocab_size = _round_up(tokenizer.get_vocab_size(with_added_tokens=True), 64)
     config = _hf_config(vocab_size, special)
-    _write_json(out_dir, "config.json", config)
-    _write_json(out_dir, "generation_config.json", {
+    write_json(out_dir, "config.json", config)
+    write_json(out_dir, "generation_config.json", {
         "bos_token_id": special["<|endoftext|>"],
         "eos_token_id": [special["<|im_end|>"], special["<|endoftext|>"]],
         "do_sample": False,
     })
-    _write_json(out_dir, "tokenizer_config.json", _tokenizer_config(special))
+    write_json(out_dir, "tokenizer_config.json", tokenizer_config(special))
     save_file(random_weights(config), os.path.join(out_dir, "model.safetensors"),
               metadata={"format": "pt"})
     with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
@@ -210,7 +210,7 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
-def _write_json(out_dir: str, name: str, obj: dict[str, Any]) -> None:
+def write_json(out_dir: str, name: str, obj: dict[str, Any]) -> None:
     with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, ensure_ascii=False, sort_keys=True)
         f.write("\n")
@@ -241,7 +241,7 @@ def _hf_config(vocab_size: int, special: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def _tokenizer_config(special: dict[str, int]) -> dict[str, Any]:
+def tokenizer_config(special: dict[str, int]) -> dict[str, Any]:
     decoder = {str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
                         "single_word": False, "special": True} for tok, i in special.items()}
     return {
