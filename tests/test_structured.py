@@ -284,3 +284,29 @@ def test_mask_layout_tail_is_aligned_and_disjoint(rows: int) -> None:
     assert mask.tail.data_ptr() % 16 == 0 and mask.tail.numel() == rows
     assert mask.tail.data_ptr() >= mask.bits.data_ptr() + mask.bits.numel() * 4
     assert (mask.tail.data_ptr() - flat.data_ptr()) // 4 + rows == mask_numel(rows, 3835)
+
+
+def test_split_fill_equals_one_call_and_reraises(llm: LLM) -> None:
+    """SplitFill deals 20 rows to 2 threads (at least 8 rows each) round-robin: the masks equal
+    one serial call's, rows not listed stay untouched, and a part's error reaches the caller."""
+    import torch
+
+    from photon.structured.xgrammar_backend import SplitFill, XGrammarBackend
+
+    backend = XGrammarBackend(llm.engine.tokenizer, 1024, threads=2)
+    compiled = llm.engine.structured.compile(SO(json=SCHEMAS[0])).result()
+    matchers = [backend.matcher(compiled) for _ in range(20)]
+    tok = llm.engine.tokenizer
+    for i, m in enumerate(matchers):  # different states: prefixes of one valid document
+        for t in tok.encode('{"name": "ab", "age": 7, "tags": []}')[:i % 9]:
+            assert m.accept(t)
+    handles = [m.handle for m in matchers]
+    rows = list(range(1, 21))
+    serial, split = (torch.full((22, backend.mask_words), 7, dtype=torch.int32) for _ in range(2))
+    SplitFill(1)(handles, serial, rows)
+    SplitFill(2)(handles, split, rows)
+    assert torch.equal(serial, split)
+    assert (split[0] == 7).all() and (split[21] == 7).all()
+    assert not torch.equal(split[1], split[5])  # the states differ, so do their masks
+    with pytest.raises(RuntimeError):
+        SplitFill(2)(handles, torch.zeros(22, 3, dtype=torch.int32), rows)  # wrong width
