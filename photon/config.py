@@ -131,8 +131,8 @@ class EngineArgs:
     structured_outputs_timeout: float = field(default=30.0, metadata=_help(
         "Seconds a request's grammar may take to compile; then the request fails (400)."))
     structured_outputs_threads: int = field(default=1, metadata=_help(
-        "Threads that fill a step's grammar masks (xgrammar's batch fill). One is fastest unless "
-        "many rows sit in costly grammar states (docs/benchmarks.md)."))
+        "Threads that fill a step's grammar masks (rows split across them, one xgrammar batch "
+        "call each). One was fastest on the H200 for every benchmark batch (docs/benchmarks.md)."))
 
     def create_config(self) -> EngineConfig:
         from photon.model.tiny import resolve_model_path
