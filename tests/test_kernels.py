@@ -11,20 +11,18 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from photon.kernels import elementwise as ek  # noqa: E402
-from photon.kernels import sampling as ks  # noqa: E402
-from photon.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul  # noqa: E402
-from photon.worker import sampler as sp  # noqa: E402
-from photon.worker.sampler import (  # noqa: E402
+from photon.kernels import elementwise as ek
+from photon.kernels import sampling as ks
+from photon.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from photon.worker import sampler as sp
+from photon.worker.sampler import (
     Sampler,
     apply_min_p,
     apply_top_k_top_p,
     derive_key,
     noise_bits,
 )
-from tests.test_sampler import full, make_batch  # noqa: E402
+from tests.test_sampler import full, make_batch
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -10,14 +10,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import random
 import tempfile
 
 from photon.bench.shapes import materialize_shape
-from photon.bench.structured import SCHEMAS, _run_batch
+from photon.bench.structured import SCHEMAS, grammar_batch, run_batch, warm_up
 from photon.llm import LLM
-from photon.sampling_params import SamplingParams
-from photon.structured.params import StructuredOutputsParams
 
 
 def main() -> None:
@@ -30,18 +27,13 @@ def main() -> None:
         llm = LLM(model=materialize_shape(ns.shape, tmp), load_format="dummy",
                   max_num_seqs=ns.batch, max_model_len=1200)
     core = llm.engine
-    rng = random.Random(ns.batch)
-    prompts = [[rng.randrange(3, 1000) for _ in range(64)] for _ in range(ns.batch)]
-    spec = StructuredOutputsParams(json=SCHEMAS["records"])
-    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=1024, structured_outputs=spec)
-              for i in range(ns.batch)]
-    for _ in range(2):
-        _run_batch(core, prompts[:2], params[:2])
-    _run_batch(core, prompts, params)  # warm: every shape compiled
+    prompts, params = grammar_batch(ns.batch, SCHEMAS["records"], 64, 1024)
+    warm_up(core, prompts, params)
+    run_batch(core, prompts, params)  # warm: every shape compiled
     steps0 = core.runner.step_count
     prof = cProfile.Profile()
     prof.enable()
-    _, wall, _ = _run_batch(core, prompts, params)
+    _, wall, _ = run_batch(core, prompts, params)
     prof.disable()
     steps = core.runner.step_count - steps0
     print(f"{steps} steps, {1e3 * wall / steps:.2f} ms/step under cProfile")

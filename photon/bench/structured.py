@@ -100,7 +100,7 @@ class StepLog:
                 f"{prefix}_gc_ms": 1e3 * self.gc_s}
 
 
-def _run_batch(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams],
+def run_batch(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams],
                log: StepLog | None = None) -> tuple[list[int], float, Counter[str]]:
     """Run to completion; return each request's output length, the wall time and the count of
     each finish reason (a grammar request must end with "stop" or "length", never "abort").
@@ -136,7 +136,7 @@ def _timed_run(core: EngineCore, prompts: list[list[int]], params: list[Sampling
     fill_s, steps = runner.grammar_fill_s, runner.step_count
     try:
         with StepLog() as log:
-            lengths, wall, reasons = _run_batch(core, prompts, params, log)
+            lengths, wall, reasons = run_batch(core, prompts, params, log)
     finally:
         runner.probe = None
     n = max(1, runner.step_count - steps)
@@ -151,17 +151,27 @@ def _timed_run(core: EngineCore, prompts: list[list[int]], params: list[Sampling
     return lengths, row
 
 
+def grammar_batch(batch: int, schema: dict[str, Any], prompt_len: int, max_tokens: int
+                  ) -> tuple[list[list[int]], list[SamplingParams]]:
+    """The benchmark's B seeded random prompts, each under `schema` (temperature 1)."""
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(3, 1000) for _ in range(prompt_len)] for _ in range(batch)]
+    spec = StructuredOutputsParams(json=schema)
+    return prompts, [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens,
+                                    structured_outputs=spec) for i in range(batch)]
+
+
+def warm_up(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+    """Compile the grammar and the kernels outside the timing; twice, because the timed runs
+    repeat prompts and a prefix-cache hit gives prefill a shape (a Triton variant) of its own."""
+    for _ in range(2):
+        run_batch(core, prompts[:2], params[:2])
+
+
 def measure(core: EngineCore, batch: int, schema: dict[str, Any], ns: argparse.Namespace
             ) -> dict[str, Any]:
-    rng = random.Random(batch)
-    prompts = [[rng.randrange(3, 1000) for _ in range(ns.prompt_len)] for _ in range(batch)]
-    spec = StructuredOutputsParams(json=schema)
-    grammar = [SamplingParams(temperature=1.0, seed=i, max_tokens=ns.max_output_tokens,
-                              structured_outputs=spec) for i in range(batch)]
-    # Compile the grammar and warm up outside the timing; twice, because the timed runs repeat
-    # prompts and the prefix-cache hit gives prefill a shape (a Triton variant) of its own.
-    for _ in range(2):
-        _run_batch(core, prompts[:2], grammar[:2])
+    prompts, grammar = grammar_batch(batch, schema, ns.prompt_len, ns.max_output_tokens)
+    warm_up(core, prompts, grammar)
     row: dict[str, Any] = {"batch_size": batch}
     lengths: list[int] = []
     for name, depth in (("blocking", 1), ("pipelined", 2)):
