@@ -50,6 +50,12 @@ for step in "${steps[@]}"; do
     gputests_structured)  # the structured-outputs and kernel GPU tests only
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda_structured.py \
         tests/test_kernels.py 2>&1 | tail -15 | tee -a "$log" ;;
+    profile_structured_gpu)  # compute-stream kernel classes and idle gaps, JSON vs plain batches
+      timeout 300 python3 tools/profile_structured_gpu.py --out "$OUT" 2>&1 | tail -8 | cut -c1-1500 \
+        | tee -a "$log" ;;
+    profile_structured_host)  # cProfile of the engine thread, records B=128
+      timeout 200 python3 tools/profile_structured_host.py > "$OUT/profile_host.txt" 2>&1
+      head -40 "$OUT/profile_host.txt" | tee -a "$log" ;;
     throughput8b)
       tp llama8b_pipelined --model-shape llama-3.1-8b ;;
     throughput8b_blocking)
