@@ -310,3 +310,97 @@ def test_split_fill_equals_one_call_and_reraises(llm: LLM) -> None:
     assert not torch.equal(split[1], split[5])  # the states differ, so do their masks
     with pytest.raises(RuntimeError):
         SplitFill(2)(handles, torch.zeros(22, 3, dtype=torch.int32), rows)  # wrong width
+
+
+@pytest.mark.parametrize("spec, text", [
+    (SO(json=SCHEMAS[0]), '{"name": "ab", "age": 7, "tags": []}'),
+    (SO(regex=r"[0-9]{1,4}(\.[0-9]{1,2})?"), "12.5"),
+    (SO(choice=["on", "off", "onward"]), "on"),
+])
+def test_ends_with_predicts_termination(llm: LLM, spec: SO, text: str) -> None:
+    """accept_tokens takes a grammar's end from the stop-token set instead of asking each
+    matcher: after every accepted token it equals the matcher's own is_terminated()."""
+    from photon.structured.manager import accept_tokens
+
+    engine = llm.engine
+    grammar = engine.structured.request_grammar(spec)
+    grammar.future.result()
+    assert grammar.poll()
+    stops = sorted(engine.structured.backend.stop_token_ids)
+    assert stops
+    fresh = engine.structured.backend.matcher(grammar.future.result())
+    assert not fresh.accept(stops[0])  # a stop token where the grammar cannot end: rejected
+    for t in [*engine.tokenizer.encode(text), stops[0]]:
+        accept_tokens([grammar], [t])
+        assert not grammar.rejected
+        assert grammar.terminated == grammar.matcher.is_terminated()
+    assert grammar.terminated
+    accept_tokens([grammar], [stops[0]])  # nothing may follow the end
+    assert grammar.rejected
+
+
+def test_grammar_rejection_aborts_only_that_request(llm: LLM,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A matcher rejecting a committed token (an engine bug: the mask forbids it) ends that
+    request with finish_reason "abort" and an error; the other requests and the engine go on."""
+    backend = llm.engine.structured.backend
+    real = backend.accept_tokens
+    calls = {"n": 0}
+
+    def reject_third(matchers: list, tokens: list[int]) -> list[bool]:  # the third step's
+        calls["n"] += 1
+        ok = real(matchers, tokens)
+        return [False] * len(ok) if calls["n"] == 3 else ok
+
+    monkeypatch.setattr(backend, "accept_tokens", reject_third)
+    spec = SO(json=SCHEMAS[0])
+    core = llm.engine
+    core.add_request("a", SamplingParams(temperature=1.0, seed=1, max_tokens=50,
+                                         structured_outputs=spec), request_id="bad")
+    core.add_request("b", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                     request_id="plain")
+    final = {}
+    while core.has_unfinished():
+        final |= {o.request_id: o for o in core.step() if o.finished}
+    bad, plain = final["bad"], final["plain"]
+    assert bad.outputs[0].finish_reason == "abort" and len(bad.outputs[0].token_ids) == 3
+    assert bad.error is not None and "rejected" in bad.error
+    assert plain.outputs[0].finish_reason == "length" and len(plain.outputs[0].token_ids) == 8
+    core.assert_drained()
+    monkeypatch.undo()
+    again = llm.generate(["a"], SamplingParams(temperature=1.0, seed=1, max_tokens=50,
+                                               structured_outputs=spec), use_tqdm=False)[0]
+    assert again.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_fill_thread_overlaps_and_reraises() -> None:
+    """FillThread.start returns while the fill is still running (the engine thread goes on with
+    commit and planning), wait() returns once it is done and re-raises its error; InlineFill runs
+    it inside start."""
+    import threading
+
+    from photon.structured.fill import FillThread, InlineFill
+
+    filler = FillThread()
+    go, log = threading.Event(), []
+
+    def fill() -> None:
+        log.append(go.wait(timeout=30))  # True only if the caller ran on after start()
+
+    filler.start(fill)
+    go.set()
+    filler.wait()
+    assert log == [True]
+
+    def broken() -> None:
+        raise RuntimeError("bitmask of the wrong width")
+
+    filler.start(broken)
+    with pytest.raises(RuntimeError, match="wrong width"):
+        filler.wait()
+    filler.start(lambda: log.append("again"))  # still serving
+    filler.wait()
+    assert log == [True, "again"]
+    inline = InlineFill()
+    inline.start(lambda: log.append("inline"))
+    assert log[-1] == "inline"

@@ -2,7 +2,7 @@
 
 A backend compiles a `StructuredOutputsParams` into an opaque compiled grammar (thread-safe: the
 manager calls `compile` from a thread pool) and makes one `GrammarMatcher` per sequence from it.
-A matcher is advanced with committed tokens only. The backend fills a step's next-token masks for
+A matcher is advanced with committed tokens only, a step's at once (`accept_tokens`). The backend fills a step's next-token masks for
 many matchers at once (`fill_bitmasks`, on its own threads): rows of a packed int32 bitmask, bit
 `v % 32` of word `v // 32` set = token v allowed, `mask_words` words wide. A backend's rows may cover
 fewer ids than the model's vocabulary (a padded embedding); ids past `32 * mask_words` are never
@@ -40,6 +40,14 @@ class GrammarBackend(Protocol):
         """A fresh matcher at the grammar's start."""
 
     @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The tokens that end a grammar: a matcher accepts one only where its grammar may end,
+        and is terminated exactly after accepting one."""
+
+    def accept_tokens(self, matchers: list[GrammarMatcher], tokens: list[int]) -> list[bool]:
+        """matchers[i].accept(tokens[i]) for every i, in one call; whether each was accepted."""
+
+    @property
     def mask_words(self) -> int:
         """Width in int32 words of the rows `fill_bitmasks` writes."""
 
@@ -48,6 +56,11 @@ class GrammarBackend(Protocol):
         """Row indices[i] of `bitmask` (CPU int32 [R, mask_words], contiguous) <- the allowed next
         tokens of matchers[i]. Matchers are independent, so a backend may fill rows in parallel
         (up to its `threads`); it returns once every row is written."""
+
+    def bind_fill(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor,
+                  indices: list[int]) -> Callable[[], None]:
+        """`fill_bitmasks` as a call to make later, maybe on another thread (the engine's fill
+        thread): the Python work is done here, so the call itself can release the GIL at once."""
 
 
 BackendFactory = Callable[[Tokenizer, int, int], GrammarBackend]

@@ -14,8 +14,9 @@ and the tail set: no constraint.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -50,27 +51,37 @@ def mask_views(flat: torch.Tensor, rows: int, words: int) -> TokenMask:
     return TokenMask(bits, flat[tail:tail + rows])
 
 
-def fill_bitmasks(rows: list[ScheduledRow], mask: TokenMask, backend: GrammarBackend) -> None:
-    """Row j of `mask` for the j-th sampling row, from the matcher state committed so far: every
-    output before the row's `out_index` has been accepted. The backend fills the grammar rows in
-    one call."""
+def grammar_rows(rows: list[ScheduledRow], mask: TokenMask) -> tuple[list[Any], list[int]]:
+    """Row j of `mask` (host tensors) is for the j-th sampling row. Rows without a live grammar
+    (none, zombie, terminated or rejected) get all bits and the tail set; returns the matchers and
+    row indices left for the backend (their tail is 0). Every output before a grammar row's
+    `out_index` must have been accepted."""
     todo: list[int] = []
+    matchers = []
     for j, row in enumerate(rows):
         req = row.request
         grammar = req.grammar
-        if grammar is None or req.finalized or grammar.is_terminated():
+        if grammar is None or req.finalized or grammar.terminated or grammar.rejected:
             continue
         assert grammar.num_accepted == row.out_index, \
             "grammar mask built before the previous token was committed"
         todo.append(j)
-    mask.tail.fill_(ALLOW_ALL)
+        matchers.append(grammar.matcher)
+    bits, tail = mask.bits.numpy(), mask.tail.numpy()
+    tail.fill(ALLOW_ALL)
     if len(todo) < len(rows):
-        free = torch.ones(len(rows), dtype=torch.bool)
+        free = np.ones(len(rows), dtype=bool)
         free[todo] = False
-        mask.bits[free] = ALLOW_ALL
+        bits[free] = ALLOW_ALL
+    tail[todo] = 0
+    return matchers, todo
+
+
+def fill_bitmasks(rows: list[ScheduledRow], mask: TokenMask, backend: GrammarBackend) -> None:
+    """`grammar_rows`, then the backend fills those rows in one call."""
+    matchers, todo = grammar_rows(rows, mask)
     if todo:
-        mask.tail[todo] = 0
-        backend.fill_bitmasks([rows[j].request.grammar.matcher for j in todo], mask.bits, todo)
+        backend.fill_bitmasks(matchers, mask.bits, todo)
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:

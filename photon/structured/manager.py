@@ -19,6 +19,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from photon.structured.backend import GrammarBackend, GrammarError, GrammarMatcher, create_backend
+from photon.structured.fill import FillThread, InlineFill, create_fill_runner
 from photon.structured.params import StructuredOutputsParams
 from photon.tokenizer import Tokenizer
 
@@ -36,8 +37,10 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="photon-grammar")
-        # The backend's threads for a step's mask fills (the model runner's finalize).
+        # Where a step's mask fill runs (0: inline; else a fill thread, rows split over
+        # `fill_threads` threads by the backend when more than one).
         self.fill_threads = fill_threads
+        self._filler: InlineFill | FillThread | None = None
 
     @property
     def backend(self) -> GrammarBackend:
@@ -45,8 +48,15 @@ class StructuredOutputManager:
         with self._lock:
             if self._backend is None:
                 self._backend = create_backend(self.backend_name, self.tokenizer, self.vocab_size,
-                                               self.fill_threads)
+                                               max(1, self.fill_threads))
             return self._backend
+
+    @property
+    def filler(self) -> InlineFill | FillThread:
+        """Runs the mask fills (created on first use: engines without grammars start no thread)."""
+        if self._filler is None:
+            self._filler = create_fill_runner(self.fill_threads)
+        return self._filler
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         key = spec.key()
@@ -79,6 +89,7 @@ class RequestGrammar:
         self.matcher: GrammarMatcher | None = None
         self.num_accepted = 0  # tokens the matcher has accepted (the fill checks it)
         self.terminated = False  # as of the last accept: read without touching the matcher
+        self.rejected = False  # the matcher refused a committed token (an engine bug)
 
     def poll(self) -> bool:
         """True once the matcher is ready; False while compiling; raises GrammarError."""
@@ -97,15 +108,24 @@ class RequestGrammar:
         self.matcher = self.manager.backend.matcher(self.future.result())
         return True
 
-    def accept(self, token_id: int) -> bool:
-        assert self.matcher is not None, "a token was committed before the grammar was ready"
-        if not self.matcher.accept(token_id):
-            return False
-        self.num_accepted += 1
-        self.terminated = self.matcher.is_terminated()
-        return True
-
     def is_terminated(self) -> bool:
-        """Complete and its stop token accepted: no more tokens (cached at accept: commit and the
-        mask fill both ask every step)."""
+        """Complete and its stop token accepted: no more tokens (commit and the mask fill both
+        ask every step, so it is cached at accept)."""
         return self.terminated
+
+
+def accept_tokens(grammars: list[RequestGrammar], tokens: list[int]) -> None:
+    """Advance each grammar's matcher by its committed token, in one backend call. A matcher
+    accepts a stop token only where its grammar may end and is terminated exactly then, so
+    `terminated` needs no call per matcher. A rejection sets `rejected` (the matcher stays put)."""
+    assert all(g.matcher is not None for g in grammars), \
+        "a token was committed before the grammar was ready"
+    backend = grammars[0].manager.backend
+    ok = backend.accept_tokens([g.matcher for g in grammars], tokens)
+    stops = backend.stop_token_ids
+    for grammar, token_id, accepted in zip(grammars, tokens, ok):
+        if accepted:
+            grammar.num_accepted += 1
+            grammar.terminated = token_id in stops
+        else:
+            grammar.rejected = True

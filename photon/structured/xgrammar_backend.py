@@ -16,7 +16,9 @@ each running a one-thread batch call (`--structured-outputs-threads`, default 1)
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import torch
@@ -101,6 +103,7 @@ class XGrammarBackend:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.fill = SplitFill(threads)
         self.mask_words = bitmask_width(self.info.vocab_size)
+        self.stop_token_ids = frozenset(self.info.stop_token_ids)
 
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         try:
@@ -127,10 +130,17 @@ class XGrammarBackend:
     def matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
         return XGrammarMatcher(compiled)
 
+    def accept_tokens(self, matchers: list[XGrammarMatcher], tokens: list[int]) -> list[bool]:
+        return xgr.BatchGrammarMatcher.batch_accept_token([m.handle for m in matchers], tokens)
+
+    def bind_fill(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor,
+                  indices: list[int]) -> Callable[[], None]:
+        return partial(self.fill, [m.handle for m in matchers], bitmask, indices)
+
     def fill_bitmasks(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor,
                       indices: list[int]) -> None:
         if matchers:
-            self.fill([m.handle for m in matchers], bitmask, indices)
+            self.bind_fill(matchers, bitmask, indices)()
 
 
 # xgrammar (0.2.x) spells a character of a length-bounded JSON string (maxLength/minLength) with a

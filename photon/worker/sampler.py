@@ -269,8 +269,11 @@ class Sampler:
     def __init__(self, fused: bool | None = None) -> None:
         self.fused = fused
 
-    def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
-        owned = logits.dtype != torch.float32  # .float() copies only then
+    def __call__(self, logits: Tensor, batch: SamplingBatch,
+                 overwrite: bool = False) -> SamplerOutput:
+        """overwrite=True: `logits` may be modified in place (the model runner's are a fresh
+        tensor every step), which saves a copy of [R, V] before the mask, bans or penalties."""
+        owned = overwrite or logits.dtype != torch.float32  # .float() copies only then
         logits = logits.float()
         raw = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
         if batch.any_penalties:
