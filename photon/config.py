@@ -131,9 +131,8 @@ class EngineArgs:
     structured_outputs_timeout: float = field(default=30.0, metadata=_help(
         "Seconds a request's grammar may take to compile; then the request fails (400)."))
     structured_outputs_threads: int = field(default=1, metadata=_help(
-        "Threads that fill a step's grammar masks beside the engine thread, overlapping its "
-        "commit and planning (rows split across them when more than one, one xgrammar batch "
-        "call each); 0 fills them on the engine thread."))
+        "Threads that fill a step's grammar masks (rows split across them, one xgrammar batch "
+        "call each). One was fastest on the H200 for every benchmark batch (docs/benchmarks.md)."))
 
     def create_config(self) -> EngineConfig:
         from photon.model.tiny import resolve_model_path
@@ -164,14 +163,11 @@ class EngineArgs:
                 or not self.structured_outputs_timeout > 0:
             raise ConfigError(f"structured_outputs_timeout must be a number of seconds > 0, "
                               f"got {self.structured_outputs_timeout!r}")
-        for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override"):
+        for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override",
+                     "structured_outputs_threads"):
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value)
-        threads = self.structured_outputs_threads
-        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
-            raise ConfigError(f"structured_outputs_threads must be an integer >= 0 (0: fill "
-                              f"grammar masks on the engine thread), got {threads!r}")
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization,

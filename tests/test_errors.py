@@ -219,9 +219,8 @@ BAD_ENGINE: list[tuple[dict[str, Any], list[str], str]] = [
      "max_model_len must be a positive integer, got 0"),
     ({"num_gpu_blocks_override": 0}, ["--num-gpu-blocks-override", "0"],
      "num_gpu_blocks_override must be a positive integer, got 0"),
-    ({"structured_outputs_threads": -1}, ["--structured-outputs-threads", "-1"],
-     "structured_outputs_threads must be an integer >= 0 (0: fill grammar masks on the engine "
-     "thread), got -1"),
+    ({"structured_outputs_threads": 0}, ["--structured-outputs-threads", "0"],
+     "structured_outputs_threads must be a positive integer, got 0"),
     ({"attention_backend": "nope"}, ["--attention-backend", "nope"],
      "unknown attention_backend 'nope'; available: auto, torch, triton"),
 ]

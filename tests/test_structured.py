@@ -371,36 +371,3 @@ def test_grammar_rejection_aborts_only_that_request(llm: LLM,
     again = llm.generate(["a"], SamplingParams(temperature=1.0, seed=1, max_tokens=50,
                                                structured_outputs=spec), use_tqdm=False)[0]
     assert again.outputs[0].finish_reason in ("stop", "length")
-
-
-def test_fill_thread_overlaps_and_reraises() -> None:
-    """FillThread.start returns while the fill is still running (the engine thread goes on with
-    commit and planning), wait() returns once it is done and re-raises its error; InlineFill runs
-    it inside start."""
-    import threading
-
-    from photon.structured.fill import FillThread, InlineFill
-
-    filler = FillThread()
-    go, log = threading.Event(), []
-
-    def fill() -> None:
-        log.append(go.wait(timeout=30))  # True only if the caller ran on after start()
-
-    filler.start(fill)
-    go.set()
-    filler.wait()
-    assert log == [True]
-
-    def broken() -> None:
-        raise RuntimeError("bitmask of the wrong width")
-
-    filler.start(broken)
-    with pytest.raises(RuntimeError, match="wrong width"):
-        filler.wait()
-    filler.start(lambda: log.append("again"))  # still serving
-    filler.wait()
-    assert log == [True, "again"]
-    inline = InlineFill()
-    inline.start(lambda: log.append("inline"))
-    assert log[-1] == "inline"

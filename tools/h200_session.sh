@@ -40,13 +40,6 @@ for step in "${steps[@]}"; do
           --schema $schema --output-json "$OUT/structured_qwen_$schema.json" 2>&1 | grep -v '^{' \
           | tee -a "$log"
       done ;;
-    structured_ab)  # records: masks filled on the engine thread (0) vs the fill thread (1)
-      for threads in 0 1; do
-        timeout 200 $P bench structured --model-shape qwen3-0.6b --batch-sizes 32 128 \
-          --structured-outputs-threads $threads \
-          --output-json "$OUT/structured_qwen_records_t$threads.json" 2>&1 | grep -v '^{' \
-          | tee -a "$log"
-      done ;;
     structured_threads)  # the records schema with 4 and 8 mask-fill threads (default: 1)
       for threads in 4 8; do
         timeout 200 $P bench structured --model-shape qwen3-0.6b --batch-sizes 32 128 \

@@ -57,11 +57,6 @@ class GrammarBackend(Protocol):
         tokens of matchers[i]. Matchers are independent, so a backend may fill rows in parallel
         (up to its `threads`); it returns once every row is written."""
 
-    def bind_fill(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor,
-                  indices: list[int]) -> Callable[[], None]:
-        """`fill_bitmasks` as a call to make later, maybe on another thread (the engine's fill
-        thread): the Python work is done here, so the call itself can release the GIL at once."""
-
 
 BackendFactory = Callable[[Tokenizer, int, int], GrammarBackend]
 _BACKENDS: dict[str, BackendFactory] = {}

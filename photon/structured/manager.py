@@ -19,7 +19,6 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from photon.structured.backend import GrammarBackend, GrammarError, GrammarMatcher, create_backend
-from photon.structured.fill import FillThread, InlineFill, create_fill_runner
 from photon.structured.params import StructuredOutputsParams
 from photon.tokenizer import Tokenizer
 
@@ -37,10 +36,8 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="photon-grammar")
-        # Where a step's mask fill runs (0: inline; else a fill thread, rows split over
-        # `fill_threads` threads by the backend when more than one).
+        # The backend's threads for a step's mask fills (the model runner's finalize).
         self.fill_threads = fill_threads
-        self._filler: InlineFill | FillThread | None = None
 
     @property
     def backend(self) -> GrammarBackend:
@@ -48,15 +45,8 @@ class StructuredOutputManager:
         with self._lock:
             if self._backend is None:
                 self._backend = create_backend(self.backend_name, self.tokenizer, self.vocab_size,
-                                               max(1, self.fill_threads))
+                                               self.fill_threads)
             return self._backend
-
-    @property
-    def filler(self) -> InlineFill | FillThread:
-        """Runs the mask fills (created on first use: engines without grammars start no thread)."""
-        if self._filler is None:
-            self._filler = create_fill_runner(self.fill_threads)
-        return self._filler
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         key = spec.key()

@@ -16,9 +16,7 @@ each running a one-thread batch call (`--structured-outputs-threads`, default 1)
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from typing import Any
 
 import torch
@@ -133,14 +131,10 @@ class XGrammarBackend:
     def accept_tokens(self, matchers: list[XGrammarMatcher], tokens: list[int]) -> list[bool]:
         return xgr.BatchGrammarMatcher.batch_accept_token([m.handle for m in matchers], tokens)
 
-    def bind_fill(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor,
-                  indices: list[int]) -> Callable[[], None]:
-        return partial(self.fill, [m.handle for m in matchers], bitmask, indices)
-
     def fill_bitmasks(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor,
                       indices: list[int]) -> None:
         if matchers:
-            self.bind_fill(matchers, bitmask, indices)()
+            self.fill([m.handle for m in matchers], bitmask, indices)
 
 
 # xgrammar (0.2.x) spells a character of a length-bounded JSON string (maxLength/minLength) with a

@@ -42,15 +42,6 @@ CPU_DEFAULT_KV_BYTES = 256 << 20
 
 
 @dataclass
-class PreparedStep:
-    slot: StepSlot
-    rows: list[ScheduledRow]
-    arrays: StepArrays
-    dev: dict[str, torch.Tensor]  # device views of the staged inputs (valid after the upload)
-    graph_key: tuple[int, int] | None
-
-
-@dataclass
 class StepHandle:
     slot: StepSlot
     rows: list[ScheduledRow]
@@ -60,7 +51,6 @@ class StepHandle:
     num_sampled: int = 0
     max_logprobs: int = -1
     marks: StepMarks | None = None  # set only while a StepProbe is attached (benchmarks)
-    masks_started: bool = False  # the grammar-mask fill was started (begin_masks)
 
 
 class ModelRunner:
@@ -96,7 +86,7 @@ class ModelRunner:
                                8 * max_seqs, mask_size) for i in range(2)]
         self.sampler = Sampler()
         self.step_count = 0
-        self.grammar_wait_s = 0.0  # engine-thread time waiting for grammar-mask fills
+        self.grammar_fill_s = 0.0  # host time in grammar-mask fills (bench structured reports it)
         self.probe: StepProbe | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -154,10 +144,9 @@ class ModelRunner:
             self.free_pool_rows.append(req.pool_row)
             req.pool_row = None
 
-    # ---- prepare / launch ---------------------------------------------------------------------
-    def prepare(self, plan: SchedulerOutput) -> PreparedStep:
-        """Host half of a launch: pool rows, the step's input arrays, staged into the free slot's
-        pinned buffers. The pipelined loop prepares t+2 while the grammar fill of t+1 runs."""
+    # ---- launch -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerOutput) -> StepHandle:
         slot = self.slots[self.step_count % 2]
         self.step_count += 1
         self._assign_pool_rows(plan.rows)
@@ -175,36 +164,30 @@ class ModelRunner:
         ints, floats = slot.stage([arrays.ints[k] for k in _INT_FIELDS],
                                   [arrays.floats[k] for k in _FLOAT_FIELDS])
         dev = dict(zip(_INT_FIELDS, ints)) | dict(zip(_FLOAT_FIELDS, floats))
-        return PreparedStep(slot, plan.rows, arrays, dev, graph_key)
-
-    @torch.inference_mode()
-    def launch(self, prep: PreparedStep) -> StepHandle:
-        """Device half: the H2D of the staged inputs and the forward, enqueued."""
-        slot, arrays, dev = prep.slot, prep.arrays, prep.dev
         slot.upload(self.streams)
         marks = self.probe.new_step() if self.probe is not None else None
         if marks is not None:
             self.probe.mark(marks, "fwd_start")
         if arrays.ints["write_idx"].size:
             self.token_pool.view(-1)[dev["write_idx"]] = dev["write_ids"].to(torch.int32)
-        if prep.graph_key is not None:
-            hidden = self.graphs.run(prep.graph_key, dev, len(prep.rows))
+        if graph_key is not None:
+            hidden = self.graphs.run(graph_key, dev, len(plan.rows))
         else:
-            hidden = self._forward_eager(prep.rows, arrays, dev)
+            hidden = self._forward_eager(plan, arrays, dev)
         logits = None
         if arrays.sample_rows:
             sel = hidden if arrays.decode_only else hidden[dev["logits_indices"]]
             logits = self.model.compute_logits(sel)
         if marks is not None:
             self.probe.mark(marks, "fwd_end")
-        return StepHandle(slot, prep.rows, arrays, dev, logits, len(arrays.sample_rows),
+        return StepHandle(slot, plan.rows, arrays, dev, logits, len(arrays.sample_rows),
                           int(arrays.flags["max_logprobs"]), marks)
 
-    def _forward_eager(self, rows: list[ScheduledRow], arrays: StepArrays,
+    def _forward_eager(self, plan: SchedulerOutput, arrays: StepArrays,
                        dev: dict[str, torch.Tensor]) -> torch.Tensor:
         meta = AttentionMetadata(
             slot_mapping=dev["slot_mapping"],
-            block_tables=dev["block_tables"].view(len(rows), -1).to(torch.int32),
+            block_tables=dev["block_tables"].view(len(plan.rows), -1).to(torch.int32),
             seq_lens=dev["seq_lens"].to(torch.int32),
             query_start_loc=dev["query_start_loc"].to(torch.int32),
             seq_lens_host=arrays.seq_lens_host,
@@ -216,31 +199,21 @@ class ModelRunner:
         return self.model(input_ids, dev["positions"], ctx)
 
     # ---- finalize -----------------------------------------------------------------------------
-    def begin_masks(self, h: StepHandle) -> None:
-        """Start filling the step's grammar masks on the host from the matchers as of commit(t)
-        (the pipelined loop calls it right after commit(t)'s accepts; the fill overlaps the rest
-        of commit and planning). No-op for steps without a grammar row (a host flag): plain steps
-        pay nothing."""
-        if h.masks_started or not h.arrays.flags["any_grammar"]:
-            return
-        h.masks_started = True
-        assert self.structured is not None, "a grammar row reached a runner without grammars"
-        backend = self.structured.backend
-        mask = mask_views(h.slot.mask_host, h.num_sampled, backend.mask_words)
-        matchers, indices = grammar_rows([h.rows[i] for i in h.arrays.sample_rows], mask)
-        if indices:
-            self.structured.filler.start(backend.bind_fill(matchers, mask.bits, indices))
-
     def _grammar_bitmask(self, h: StepHandle) -> TokenMask | None:
-        """The step's masks on the device: wait for the fill (starting it now if nobody did),
-        then enqueue their H2D. None for steps without a grammar row."""
+        """Fill the step's grammar masks on the host (forward t+1 is running meanwhile) from the
+        matchers as of commit(t), and enqueue their H2D. None when no sampling row has a grammar
+        (a host flag): plain steps pay nothing."""
         if not h.arrays.flags["any_grammar"]:
             return None
-        self.begin_masks(h)
+        assert self.structured is not None, "a grammar row reached a runner without grammars"
+        backend = self.structured.backend
+        n, words = h.num_sampled, backend.mask_words
         start = time.perf_counter()
-        self.structured.filler.wait()
-        self.grammar_wait_s += time.perf_counter() - start
-        n, words = h.num_sampled, self.structured.backend.mask_words
+        mask = mask_views(h.slot.mask_host, n, words)
+        matchers, indices = grammar_rows([h.rows[i] for i in h.arrays.sample_rows], mask)
+        if indices:
+            backend.fill_bitmasks(matchers, mask.bits, indices)
+        self.grammar_fill_s += time.perf_counter() - start
         return mask_views(h.slot.upload_mask(self.streams, mask_numel(n, words)), n, words)
 
     def _sampling_batch(self, h: StepHandle) -> SamplingBatch:
