@@ -82,6 +82,7 @@ class EngineConfig:
     structured_outputs_backend: str = "xgrammar"
     structured_outputs_timeout: float = 30.0
     structured_outputs_threads: int = 1
+    structured_outputs_worker: str = "process"
 
     @property
     def pipeline_depth(self) -> int:
@@ -133,6 +134,9 @@ class EngineArgs:
     structured_outputs_threads: int = field(default=1, metadata=_help(
         "Threads that fill a step's grammar masks (rows split across them, one xgrammar batch "
         "call each). One was fastest on the H200 for every benchmark batch (docs/benchmarks.md)."))
+    structured_outputs_worker: str = field(default="process", metadata=_help(
+        "Where grammar matchers accept tokens and fill masks: process (a grammar-worker process, "
+        "overlapping the engine thread's commit and planning) or inline (on the engine thread)."))
 
     def create_config(self) -> EngineConfig:
         from photon.model.tiny import resolve_model_path
@@ -182,6 +186,8 @@ class EngineArgs:
             structured_outputs_backend=self.structured_outputs_backend,
             structured_outputs_timeout=float(self.structured_outputs_timeout),
             structured_outputs_threads=self.structured_outputs_threads,
+            structured_outputs_worker=_check_choice(
+                "structured_outputs_worker", self.structured_outputs_worker, ("process", "inline")),
         )
 
     @classmethod

@@ -105,6 +105,11 @@ class Tokenizer:
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self._compiled_template: Any = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (the grammar worker gets a copy): the compiled chat template is rebuilt on
+        first use instead of pickled (Jinja templates are not picklable)."""
+        return {**self.__dict__, "_compiled_template": None}
+
     @classmethod
     def from_pretrained(cls, model_dir: str) -> Tokenizer:
         path = os.path.join(model_dir, "tokenizer.json")

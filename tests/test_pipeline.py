@@ -65,6 +65,10 @@ def run(llm: LLM, specs: list[Spec], eos: frozenset[int] | None = None) -> tuple
     audit.install()
     if eos is not None:
         core.tokenizer.eos_token_ids = eos
+    if any(s.params.structured_outputs is not None for s in specs):
+        # Grammar requests wait for the grammar worker's start-up; let it finish first, so that
+        # every engine sees the same admission order (and the cache pressure the specs intend).
+        assert core.structured.start(wait_s=120)
     ids = [core.add_request(s.prompt, s.params, request_id=f"r{i}") for i, s in enumerate(specs)]
     aborts = {f"r{i}": s.abort_after for i, s in enumerate(specs) if s.abort_after is not None}
     results: dict[str, list[tuple[list[int], str | None]]] = {}

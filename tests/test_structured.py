@@ -10,6 +10,7 @@ import time
 
 import jsonschema
 import pytest
+import torch
 
 from photon import LLM, SamplingParams
 from photon.structured.params import StructuredOutputsParams as SO
@@ -234,19 +235,20 @@ def test_mask_never_allows_ids_past_the_tokenizer(llm: LLM) -> None:
     never be sampled under a grammar, while rows without one keep the whole vocabulary."""
     import torch
 
-    from photon.structured.bitmask import fill_bitmasks, mask_numel, mask_views
+    from photon.structured.bitmask import grammar_rows, mask_numel, mask_views
 
     manager = llm.engine.structured
     backend = manager.backend
     assert manager.vocab_size == 1024 and backend.info.vocab_size == 1000
     assert backend.mask_words == 32
-    grammar = manager.request_grammar(SO(regex="[a-z]+"))
-    grammar.future.result()
-    assert grammar.poll()
+    grammar = _ready(manager.request_grammar(SO(regex="[a-z]+")))
     rows = [_mask_row(None), _mask_row(grammar), _mask_row(None)]
-    flat = torch.zeros(mask_numel(3, 32) + 5, dtype=torch.int32)
-    mask = mask_views(flat, 3, 32)
-    fill_bitmasks(rows, mask, backend)
+    mask = mask_views(manager.executor.mask_buffer(0, mask_numel(3, 32)), 3, 32)
+    mask.bits.fill_(0x5A5A5A5A)
+    fills = grammar_rows(rows, mask)
+    assert fills == [(1, grammar)]
+    manager.submit([], fills, mask)
+    assert manager.wait() == []
     assert mask.tail.tolist() == [-1, 0, -1]
     assert (mask.bits[0] == -1).all() and (mask.bits[2] == -1).all()
     logits = torch.zeros(3, 1280)
@@ -258,11 +260,21 @@ def test_mask_never_allows_ids_past_the_tokenizer(llm: LLM) -> None:
     assert allowed_all[0].all() and allowed_all[2].all()  # no grammar: all 1,280 ids
 
 
-def _mask_row(grammar: object) -> object:
+def _ready(grammar: object, timeout: float = 120.0) -> object:
+    """The grammar once its matcher is open (the grammar worker may still be starting)."""
+    grammar.future.result()
+    deadline = time.monotonic() + timeout
+    while not grammar.poll():
+        assert time.monotonic() < deadline, "the grammar worker did not start"
+        time.sleep(0.01)
+    return grammar
+
+
+def _mask_row(grammar: object, out_index: int = 0) -> object:
     from types import SimpleNamespace
 
     req = SimpleNamespace(grammar=grammar, finalized=False, output_token_ids=[])
-    return SimpleNamespace(request=req, out_index=0)
+    return SimpleNamespace(request=req, out_index=out_index)
 
 
 def _apply(logits, mask):
@@ -317,33 +329,31 @@ def test_split_fill_equals_one_call_and_reraises(llm: LLM) -> None:
     (SO(regex=r"[0-9]{1,4}(\.[0-9]{1,2})?"), "12.5"),
     (SO(choice=["on", "off", "onward"]), "on"),
 ])
-def test_ends_with_predicts_termination(llm: LLM, spec: SO, text: str) -> None:
-    """accept_tokens takes a grammar's end from the stop-token set instead of asking each
-    matcher: after every accepted token it equals the matcher's own is_terminated()."""
-    from photon.structured.manager import accept_tokens
-
+def test_stop_token_set_predicts_termination(llm: LLM, spec: SO, text: str) -> None:
+    """note_token takes a grammar's end from the stop-token set instead of asking the matcher:
+    after every accepted token it equals the matcher's own is_terminated() (a matcher accepts a
+    stop token only where the grammar may end)."""
     engine = llm.engine
     grammar = engine.structured.request_grammar(spec)
-    grammar.future.result()
-    assert grammar.poll()
-    stops = sorted(engine.structured.backend.stop_token_ids)
+    backend = engine.structured.backend
+    stops = sorted(backend.stop_token_ids)
     assert stops
-    fresh = engine.structured.backend.matcher(grammar.future.result())
-    assert not fresh.accept(stops[0])  # a stop token where the grammar cannot end: rejected
+    matcher = backend.matcher(grammar.future.result())
+    assert not backend.matcher(grammar.future.result()).accept(stops[0])  # cannot end yet
     for t in [*engine.tokenizer.encode(text), stops[0]]:
-        accept_tokens([grammar], [t])
-        assert not grammar.rejected
-        assert grammar.terminated == grammar.matcher.is_terminated()
+        grammar.note_token(t)
+        assert backend.accept_tokens([matcher], [t]) == [True]
+        assert grammar.terminated == matcher.is_terminated()
     assert grammar.terminated
-    accept_tokens([grammar], [stops[0]])  # nothing may follow the end
-    assert grammar.rejected
+    assert backend.accept_tokens([matcher], [stops[0]]) == [False]  # nothing after the end
 
 
-def test_grammar_rejection_aborts_only_that_request(llm: LLM,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grammar_rejection_aborts_only_that_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """A matcher rejecting a committed token (an engine bug: the mask forbids it) ends that
-    request with finish_reason "abort" and an error; the other requests and the engine go on."""
-    backend = llm.engine.structured.backend
+    request with finish_reason "abort" and an error; the other requests and the engine go on.
+    (Inline executor: the rejection is injected into the engine process's backend.)"""
+    core = LLM(max_model_len=512, max_num_seqs=16, structured_outputs_worker="inline").engine
+    backend = core.structured.backend
     real = backend.accept_tokens
     calls = {"n": 0}
 
@@ -354,7 +364,6 @@ def test_grammar_rejection_aborts_only_that_request(llm: LLM,
 
     monkeypatch.setattr(backend, "accept_tokens", reject_third)
     spec = SO(json=SCHEMAS[0])
-    core = llm.engine
     core.add_request("a", SamplingParams(temperature=1.0, seed=1, max_tokens=50,
                                          structured_outputs=spec), request_id="bad")
     core.add_request("b", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
@@ -368,6 +377,37 @@ def test_grammar_rejection_aborts_only_that_request(llm: LLM,
     assert plain.outputs[0].finish_reason == "length" and len(plain.outputs[0].token_ids) == 8
     core.assert_drained()
     monkeypatch.undo()
-    again = llm.generate(["a"], SamplingParams(temperature=1.0, seed=1, max_tokens=50,
-                                               structured_outputs=spec), use_tqdm=False)[0]
-    assert again.outputs[0].finish_reason in ("stop", "length")
+    core.add_request("a", SamplingParams(temperature=1.0, seed=1, max_tokens=50,
+                                         structured_outputs=spec), request_id="again")
+    while core.has_unfinished():
+        final |= {o.request_id: o for o in core.step() if o.finished}
+    assert final["again"].outputs[0].finish_reason in ("stop", "length")
+
+
+def test_worker_reports_rejections_and_fills_live_rows(llm: LLM) -> None:
+    """The grammar-worker process accepts a step's tokens and fills the next masks in one job:
+    a token its grammar forbids comes back rejected (its row all ones, so the request can only
+    abort), the live row's mask equals the engine-side backend's for the same state."""
+    from photon.structured.bitmask import grammar_rows, mask_numel, mask_views
+    from photon.structured.worker import ProcessExecutor
+
+    manager = llm.engine.structured
+    assert isinstance(manager.executor, ProcessExecutor)
+    spec = SO(json=SCHEMAS[0])
+    good, bad = (_ready(manager.request_grammar(spec)) for _ in range(2))
+    tok = llm.engine.tokenizer
+    first = tok.encode('{"')[0]
+    words = manager.backend.mask_words
+    mask = mask_views(manager.executor.mask_buffer(1, mask_numel(2, words)), 2, words)
+    accepts = [(good, first), (bad, tok.encode("]")[0])]
+    for grammar, t in accepts:
+        grammar.note_token(t)
+    fills = grammar_rows([_mask_row(good, out_index=1), _mask_row(bad, out_index=1)], mask)
+    manager.submit(accepts, fills, mask)
+    assert manager.wait() == [bad] and bad.rejected and not good.rejected
+    assert (mask.bits[1] == -1).all()
+    reference = manager.backend.matcher(good.future.result())
+    assert reference.accept(first)
+    expected = mask.bits.clone()
+    manager.backend.fill_bitmasks([reference], expected, [0])
+    assert torch.equal(mask.bits[0], expected[0]) and not (mask.bits[0] == -1).all()

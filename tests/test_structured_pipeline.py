@@ -92,7 +92,8 @@ def test_grammar_pipelined_equals_blocking_property(kinds: list, budget: int, ti
 def test_grammar_rows_on_threads_equal_serial() -> None:
     """32 grammar rows a step: with 4 backend threads the rows are dealt to 4 parallel xgrammar
     calls (while at least 8 rows each remain); tokens, finish reasons and the drain invariants
-    equal the one-thread run."""
+    equal the one-thread run, inline and in the grammar-worker process. (The thread split is spied
+    on inline, in this process.)"""
     rng = random.Random(11)
     grammars = [SO(json=SCHEMA), SO(regex=REGEX), SO(choice=["on", "off", "onward"])]
     specs = [Spec([rng.randrange(3, 1000) for _ in range(rng.randrange(2, 20))],
@@ -101,8 +102,9 @@ def test_grammar_rows_on_threads_equal_serial() -> None:
                   abort_after=5 if i % 7 == 0 else None)
              for i in range(32)]
     kw = dict(block_size=8, max_num_seqs=32)
-    serial, _ = run(_engine(True, structured_outputs_threads=1, **kw), specs)
-    engine = _engine(True, structured_outputs_threads=4, **kw)
+    serial, _ = run(_engine(True, structured_outputs_worker="inline", **kw), specs)
+    assert run(_engine(True, **kw), specs)[0] == serial  # the grammar-worker process (default)
+    engine = _engine(True, structured_outputs_threads=4, structured_outputs_worker="inline", **kw)
     assert engine.engine.structured.fill_threads == 4
     split = engine.engine.structured.backend.fill
     second = split.batches[1] = _CountingBatch(split.batches[1])  # used from 16 rows on

@@ -6,7 +6,8 @@ without a grammar, with each request's max_tokens set to the length its constrai
 (EOS ignored), so both batches generate the same number of tokens. Decode tokens/s = generated
 tokens / wall time of the batch. Grammars are compiled (and cached) before timing. Each run also
 reports its steps and, per step, the wall time, the GPU time (forward + sampling, CUDA events), the
-commit's wait for the GPU and the host's grammar-mask fill; and the median and longest iteration
+commit's wait for the GPU, the grammar job (accepts and mask fill, in the grammar worker unless
+--structured-outputs-worker inline) and the engine thread's wait for it; and the median and longest iteration
 (when it ran, how many requests were running), the time spent in iterations over 10 ms and in
 garbage-collector pauses: what makes outliers.
 """
@@ -133,7 +134,8 @@ def _timed_run(core: EngineCore, prompts: list[list[int]], params: list[Sampling
     core.pipeline.depth = depth
     probe = StepProbe(runner.device)
     runner.probe = probe
-    fill_s, steps = runner.grammar_fill_s, runner.step_count
+    executor = core.structured.executor
+    job_s, wait_s, steps = executor.busy_s, runner.grammar_wait_s, runner.step_count
     try:
         with StepLog() as log:
             lengths, wall, reasons = run_batch(core, prompts, params, log)
@@ -144,7 +146,8 @@ def _timed_run(core: EngineCore, prompts: list[list[int]], params: list[Sampling
     row = {f"{prefix}_tok_per_s": sum(lengths) / wall, f"{prefix}_steps": n,
            f"{prefix}_ms_per_step": wall * ms, f"{prefix}_gpu_ms_per_step": probe.gpu_seconds() * ms,
            f"{prefix}_wait_ms_per_step": probe.wait_s * ms,
-           f"{prefix}_mask_fill_ms_per_step": (runner.grammar_fill_s - fill_s) * ms,
+           f"{prefix}_mask_fill_ms_per_step": (executor.busy_s - job_s) * ms,
+           f"{prefix}_mask_wait_ms_per_step": (runner.grammar_wait_s - wait_s) * ms,
            **log.summary(prefix)}
     if params[0].structured_outputs is not None:
         row[f"{prefix}_finish_reasons"] = dict(reasons)

@@ -118,6 +118,8 @@ class AsyncEngine:
         self._inbox.put(("stop",))
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.structured.shutdown()  # compile threads and the grammar worker
 
     @property
     def healthy(self) -> bool:

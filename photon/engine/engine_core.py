@@ -71,7 +71,9 @@ class EngineCore:
         self.tokenizer = Tokenizer.from_pretrained(config.model.model)
         self.structured = StructuredOutputManager(
             config.structured_outputs_backend, self.tokenizer, config.model.vocab_size,
-            config.structured_outputs_timeout, fill_threads=config.structured_outputs_threads)
+            config.structured_outputs_timeout, fill_threads=config.structured_outputs_threads,
+            worker=config.structured_outputs_worker,
+            max_rows=config.scheduler.max_num_seqs, cuda=config.device == "cuda")
         self.runner = ModelRunner(config, structured=self.structured)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)

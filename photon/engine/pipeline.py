@@ -1,19 +1,19 @@
 """The Photon loop: plan -> launch -> commit -> finalize.
 
-One call of `step()` is one iteration:
-  1. plan(t+1)      scheduler builds the batch, assuming every running request continues
-  2. launch(t+1)    runner stages inputs into the free slot and enqueues the forward
-  3. commit(t), first half: wait for step t's tokens (the only host sync); the grammar matchers
-                    accept them (one backend call)
-  4. finalize(t+1)  sample t+1 with the state committed at t: its grammar masks are filled from
-                    the matchers now; enqueue the D2H copy
-  5. commit(t), second half: append, stop checks, finalize the finished requests
-At depth 2 (pipelined) the GPU runs forward t+1 while the host commits t. Sampling t+1 needs only
-the matchers' state, so it is enqueued before commit's bookkeeping: the GPU samples while the host
-appends and plans, and the fill runs while the accepts have left the matchers in the CPU's caches
-(on the H200, a 0.58 ms fill at B=128 took 0.40 ms right after the accepts). The requests that
-commit(t) finalizes are zombie rows in t+1 either way: their tokens are discarded. At depth 1
-(blocking) each step is committed right after it is finalized: the A/B baseline and the test oracle.
+Pipelined (depth 2), one call of `step()` is one iteration:
+  1. launch(t+1)    enqueue the forward of the step planned and staged last iteration
+  2. commit(t)      wait for step t's tokens (the only host sync); submit the step's grammar job
+                    (the matchers accept token t, then fill the masks of t+1: in the grammar
+                    worker); append, stop checks, finalize the finished requests
+  3. plan(t+2)      the scheduler builds the next batch, assuming every running request
+                    continues, and the runner stages its inputs into the free slot (host only)
+  4. finalize(t+1)  wait for the grammar job; sample t+1 with the state committed at t; enqueue
+                    the D2H copy
+The GPU runs forward t+1 while the host commits t and plans t+2, and the grammar job runs beside
+both. Planning t+2 before finalizing t+1 changes nothing plan reads: finalize only enqueues device
+work. A grammar that rejected its token (an engine bug) aborts its request once the job is done.
+Blocking (depth 1): plan, launch, finalize and commit each step in turn: the A/B baseline and the
+test oracle.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections import deque
 
 from photon.engine.request import Request
 from photon.engine.scheduler import CommittedToken, Scheduler
-from photon.worker.model_runner import ModelRunner, StepHandle
+from photon.worker.model_runner import ModelRunner, PreparedStep, StepHandle
 
 
 class Pipeline:
@@ -32,34 +32,67 @@ class Pipeline:
         self.scheduler = scheduler
         self.runner = runner
         self.depth = depth
-        self.inflight: deque[StepHandle] = deque()
+        self.inflight: deque[StepHandle] = deque()  # finalized, not yet committed
+        self.staged: PreparedStep | None = None  # planned and staged, not yet launched
 
     def step(self) -> list[Request]:
         """Run one iteration; return the requests that received tokens or were finalized."""
-        plan = self.scheduler.plan()
-        handle = self.runner.launch(plan) if not plan.empty else None
+        if self.depth == 1:
+            return self._step_blocking()
+        if self.staged is None:
+            self.staged = self._plan()
+        handle = self.runner.launch(self.staged) if self.staged is not None else None
+        self.staged = None
         touched: list[Request] = []
         committing = self.inflight.popleft() if self.inflight else None
-        tokens = self._accept(committing) if committing is not None else []
+        accepts: list[tuple[Request, int]] = []
+        if committing is not None:
+            tokens = self.runner.wait(committing)
+            accepts = self._grammar_accepts(committing, tokens)
+            self.runner.begin_grammar_step([(r.grammar, t) for r, t in accepts], handle)
+            touched += self.scheduler.commit(committing.rows, tokens)
+        if handle is not None:
+            self.staged = self._plan()
+        touched += self._end_grammar_step(accepts)
         if handle is not None:
             self.runner.finalize(handle)
             self.inflight.append(handle)
-        if committing is not None:
-            touched += self.scheduler.commit(committing.rows, tokens)
-        if handle is not None and self.depth == 1:
-            last = self.inflight.popleft()
-            touched += self.scheduler.commit(last.rows, self._accept(last))
-        if handle is None and committing is None and self.scheduler.has_unfinished():
+        elif committing is None and self.scheduler.has_unfinished():
             raise RuntimeError("engine made no progress: nothing schedulable and nothing in flight")
         return touched
 
-    def _accept(self, handle: StepHandle) -> list[CommittedToken | None]:
-        """Commit's first half: the step's tokens, and the grammar matchers advanced by them."""
+    def _step_blocking(self) -> list[Request]:
+        assert self.staged is None, "switch the depth only while the pipeline is idle"
+        prep = self._plan()
+        if prep is None:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("engine made no progress: nothing schedulable")
+            return []
+        handle = self.runner.launch(prep)
+        self.runner.finalize(handle)
         tokens = self.runner.wait(handle)
-        if handle.arrays.flags["any_grammar"]:
-            self.scheduler.advance_grammars(handle.rows, tokens)
-        return tokens
+        accepts = self._grammar_accepts(handle, tokens)
+        self.runner.begin_grammar_step([(r.grammar, t) for r, t in accepts], None)
+        return self.scheduler.commit(handle.rows, tokens) + self._end_grammar_step(accepts)
+
+    def _plan(self) -> PreparedStep | None:
+        plan = self.scheduler.plan()
+        return self.runner.prepare(plan) if not plan.empty else None
+
+    def _grammar_accepts(self, handle: StepHandle, tokens: list[CommittedToken | None]
+                         ) -> list[tuple[Request, int]]:
+        if not handle.arrays.flags["any_grammar"]:
+            return []
+        return self.scheduler.grammar_accepts(handle.rows, tokens)
+
+    def _end_grammar_step(self, accepts: list[tuple[Request, int]]) -> list[Request]:
+        rejected = set(map(id, self.runner.end_grammar_step()))
+        if not rejected:
+            return []
+        requests = [r for r, _ in accepts if id(r.grammar) in rejected]
+        self.scheduler.reject_grammars(requests)
+        return requests
 
     @property
     def idle(self) -> bool:
-        return not self.inflight
+        return not self.inflight and self.staged is None

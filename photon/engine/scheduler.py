@@ -17,7 +17,6 @@ from photon.config import SchedulerConfig
 from photon.engine.kv_cache import KVCacheManager
 from photon.engine.request import FinishReason, Request, RequestStatus
 from photon.structured.backend import GrammarError
-from photon.structured.manager import accept_tokens
 
 
 @dataclass(slots=True)
@@ -216,33 +215,33 @@ class Scheduler:
             entry[tok.token_id] = tok.logprob
             req.logprobs.append(entry)
         stop_str = req.detokenizer.update(tok.token_id) if req.detokenizer else None
-        reason = self._grammar_outcome(req, tok.token_id) if req.grammar is not None else None
-        reason = reason or self._check_stop(req, tok.token_id, stop_str)
+        grammar_done = req.grammar is not None and req.grammar.terminated
+        reason = FinishReason.STOP if grammar_done else self._check_stop(req, tok.token_id,
+                                                                          stop_str)
         if reason is not None:
             self.finalize(req, reason)
 
-    def advance_grammars(self, rows: list[ScheduledRow],
-                         tokens: list[CommittedToken | None]) -> None:
-        """The first part of commit, for steps with grammar rows: the matchers of the rows that
-        commit will append to (zombies never advance one) accept their tokens in one backend
-        call. The pipeline starts the next step's mask fill right after it."""
-        grammars, ids = [], []
+    def grammar_accepts(self, rows: list[ScheduledRow], tokens: list[CommittedToken | None]
+                        ) -> list[tuple[Request, int]]:
+        """The first part of commit, for steps with grammar rows: the tokens that the rows'
+        matchers accept (the rows commit appends to; zombies never advance a matcher)."""
+        accepts = []
         for row, tok in zip(rows, tokens):
             req = row.request
             if req.grammar is not None and row.sample and tok is not None and not req.finalized:
-                grammars.append(req.grammar)
-                ids.append(tok.token_id)
-        if grammars:
-            accept_tokens(grammars, ids)
+                accepts.append((req, tok.token_id))
+        return accepts
 
-    @staticmethod
-    def _grammar_outcome(req: Request, token_id: int) -> FinishReason | None:
-        """The mask makes a rejection impossible, so one is an engine bug: the request ends
-        (ABORT, with `error`) instead of the engine."""
-        if req.grammar.rejected:
-            req.error = f"internal error: the grammar rejected sampled token {token_id}"
-            return FinishReason.ABORT
-        return FinishReason.STOP if req.grammar.terminated else None
+    def reject_grammars(self, requests: list[Request]) -> None:
+        """Their matchers refused the token commit appended. The mask makes that impossible, so
+        it is an engine bug: the request ends (ABORT, with `error`) instead of the engine."""
+        for req in requests:
+            req.error = (f"internal error: the grammar rejected sampled token "
+                         f"{req.output_token_ids[-1]}")
+            if req.finalized:
+                req.finish_reason = FinishReason.ABORT
+            else:
+                self.finalize(req, FinishReason.ABORT)
 
     def _check_stop(self, req: Request, token_id: int, stop_str: str | None) -> FinishReason | None:
         num_out = len(req.output_token_ids)
@@ -286,3 +285,5 @@ class Scheduler:
             req.released = True
         if req.finalized:
             self.requests.pop(req.request_id, None)
+            if req.grammar is not None:
+                req.grammar.release()

@@ -60,6 +60,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         print(f"[{model.served_model_name}: RANDOM WEIGHTS - the text is meaningless]",
               file=sys.stderr)
     engine = AsyncEngine(EngineCore(config))
+    engine.engine.structured.start()  # the grammar worker boots now, not with the first grammar
     try:
         uvicorn.run(build_app(engine, scfg), host=ns.host, port=ns.port,
                     log_level=ns.log_level, timeout_graceful_shutdown=5)

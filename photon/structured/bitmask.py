@@ -21,7 +21,6 @@ import torch
 
 if TYPE_CHECKING:
     from photon.engine.scheduler import ScheduledRow
-    from photon.structured.backend import GrammarBackend
 
 ALLOW_ALL = -1
 
@@ -51,37 +50,28 @@ def mask_views(flat: torch.Tensor, rows: int, words: int) -> TokenMask:
     return TokenMask(bits, flat[tail:tail + rows])
 
 
-def grammar_rows(rows: list[ScheduledRow], mask: TokenMask) -> tuple[list[Any], list[int]]:
+def grammar_rows(rows: list[ScheduledRow], mask: TokenMask) -> list[tuple[int, Any]]:
     """Row j of `mask` (host tensors) is for the j-th sampling row. Rows without a live grammar
-    (none, zombie, terminated or rejected) get all bits and the tail set; returns the matchers and
-    row indices left for the backend (their tail is 0). Every output before a grammar row's
-    `out_index` must have been accepted."""
-    todo: list[int] = []
-    matchers = []
+    (none, zombie, terminated or rejected) get all bits and the tail set; returns (j, grammar) for
+    the rows left to the grammar executor (their tail is 0). Every output before a grammar row's
+    `out_index` must have been handed to its matcher."""
+    todo: list[tuple[int, Any]] = []
     for j, row in enumerate(rows):
         req = row.request
         grammar = req.grammar
         if grammar is None or req.finalized or grammar.terminated or grammar.rejected:
             continue
-        assert grammar.num_accepted == row.out_index, \
+        assert grammar.num_sent == row.out_index, \
             "grammar mask built before the previous token was committed"
-        todo.append(j)
-        matchers.append(grammar.matcher)
+        todo.append((j, grammar))
     bits, tail = mask.bits.numpy(), mask.tail.numpy()
     tail.fill(ALLOW_ALL)
     if len(todo) < len(rows):
         free = np.ones(len(rows), dtype=bool)
-        free[todo] = False
+        free[[j for j, _ in todo]] = False
         bits[free] = ALLOW_ALL
-    tail[todo] = 0
-    return matchers, todo
-
-
-def fill_bitmasks(rows: list[ScheduledRow], mask: TokenMask, backend: GrammarBackend) -> None:
-    """`grammar_rows`, then the backend fills those rows in one call."""
-    matchers, todo = grammar_rows(rows, mask)
-    if todo:
-        backend.fill_bitmasks(matchers, mask.bits, todo)
+    tail[[j for j, _ in todo]] = 0
+    return todo
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:

@@ -5,8 +5,9 @@ hands each sequence its own matcher once its grammar is ready.
   (the cache holds futures, so a second request for a grammar still compiling waits for the same
   compile). It is thread-safe: the server awaits it on the event loop to answer 400 early.
 - `RequestGrammar` is the per-sequence state the scheduler sees: `poll()` says whether the grammar
-  is ready, failed (with the message) or still compiling; after that the matcher advances at
-  commit and fills the next-token bitmask at finalize.
+  is ready, failed (with the message) or still compiling; after that its matcher (a handle into
+  the executor: photon.structured.executor) accepts the committed tokens and fills the next-token
+  masks, one job per step (`submit` after commit(t)'s wait, `wait` in finalize(t+1)).
 - A compile that outlives `timeout_s` (measured from the request's arrival) fails that request
   with a GrammarError; the thread keeps running and its result may still serve later requests.
 """
@@ -17,73 +18,139 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
-from photon.structured.backend import GrammarBackend, GrammarError, GrammarMatcher, create_backend
+from photon.structured.backend import GrammarBackend, GrammarError, create_backend
+from photon.structured.bitmask import TokenMask
+from photon.structured.executor import GrammarExecutor, InlineExecutor
 from photon.structured.params import StructuredOutputsParams
 from photon.tokenizer import Tokenizer
 
 CACHE_ENTRIES = 1024
+WORKERS = ("process", "inline")
 
 
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: Tokenizer, vocab_size: int, timeout_s: float,
-                 max_workers: int = 2, fill_threads: int = 1) -> None:
+                 max_workers: int = 2, fill_threads: int = 1, worker: str = "inline",
+                 max_rows: int = 256, cuda: bool = False) -> None:
+        if worker not in WORKERS:
+            raise ValueError(f"structured_outputs_worker must be one of {', '.join(WORKERS)}; "
+                             f"got {worker!r}")
         self.backend_name = backend
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self._backend: GrammarBackend | None = None
+        self._executor: GrammarExecutor | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="photon-grammar")
-        # The backend's threads for a step's mask fills (the model runner's finalize).
+        # The backend's threads for a step's mask fills (in whichever process fills).
         self.fill_threads = fill_threads
+        self.worker, self.max_rows, self.cuda = worker, max_rows, cuda
+        self._submitted: list[RequestGrammar] = []  # the accepts of the job in flight
 
     @property
     def backend(self) -> GrammarBackend:
         """Created on first use (building the backend's vocabulary tables takes a moment)."""
         with self._lock:
-            if self._backend is None:
-                self._backend = create_backend(self.backend_name, self.tokenizer, self.vocab_size,
-                                               self.fill_threads)
-            return self._backend
+            return self._backend_locked()
+
+    def _backend_locked(self) -> GrammarBackend:
+        if self._backend is None:
+            self._backend = create_backend(self.backend_name, self.tokenizer, self.vocab_size,
+                                           self.fill_threads)
+        return self._backend
+
+    @property
+    def executor(self) -> GrammarExecutor:
+        """Created with the first grammar (a worker process starts then: seconds)."""
+        with self._lock:
+            return self._executor_locked()
+
+    def _executor_locked(self) -> GrammarExecutor:
+        if self._executor is None:
+            backend = self._backend_locked()
+            if self.worker == "inline":
+                self._executor = InlineExecutor(backend, pin=self.cuda)
+            else:
+                from photon.structured.worker import ProcessExecutor
+
+                self._executor = ProcessExecutor(
+                    self.tokenizer, self.backend_name, self.vocab_size, self.fill_threads,
+                    self.max_rows, backend.mask_words, self.cuda)
+        return self._executor
+
+    def start(self, wait_s: float = 0.0) -> bool:
+        """Start the executor now (the grammar worker boots in the background) instead of with
+        the first grammar; wait up to `wait_s` seconds for it; whether it is ready."""
+        executor = self.executor
+        deadline = time.monotonic() + wait_s
+        while not executor.ready() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return executor.ready()
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         key = spec.key()
-        backend = self.backend
         with self._lock:
+            backend, executor = self._backend_locked(), self._executor_locked()
             fut = self._cache.get(key)
             if fut is None or fut.cancelled():
                 fut = self._pool.submit(backend.compile, spec)
+                executor.prepare(key, spec)
                 self._cache[key] = fut
                 if len(self._cache) > CACHE_ENTRIES:
-                    self._cache.popitem(last=False)
+                    executor.forget(self._cache.popitem(last=False)[0])
             else:
                 self._cache.move_to_end(key)
             return fut
 
     def request_grammar(self, spec: StructuredOutputsParams) -> RequestGrammar:
-        return RequestGrammar(self, self.compile(spec), time.monotonic() + self.timeout_s)
+        return RequestGrammar(self, spec.key(), self.compile(spec),
+                              time.monotonic() + self.timeout_s)
+
+    def submit(self, accepts: list[tuple[RequestGrammar, int]],
+               fills: list[tuple[int, RequestGrammar]], mask: TokenMask | None) -> None:
+        """One step's job: the accepts (committed tokens, already noted with `note_token`), then
+        the fills of the next step's grammar rows into `mask` (the other rows were set by
+        `grammar_rows`)."""
+        self.executor.submit([(g.handle, t) for g, t in accepts],
+                             [(j, g.handle) for j, g in fills], mask)
+        self._submitted = [g for g, _ in accepts]
+
+    def wait(self) -> list[RequestGrammar]:
+        """Until the submitted job is done; the grammars that rejected their token."""
+        rejected = [self._submitted[i] for i in self.executor.wait()]
+        self._submitted = []  # no cycle back to the manager: a dropped engine ends its worker
+        for grammar in rejected:
+            grammar.rejected = True
+        return rejected
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._executor is not None:
+            self._executor.shutdown()
 
 
 class RequestGrammar:
     """One sequence's grammar: compiling, then a matcher over its committed output tokens."""
 
-    def __init__(self, manager: StructuredOutputManager, future: Future, deadline: float) -> None:
+    def __init__(self, manager: StructuredOutputManager, key: tuple, future: Future,
+                 deadline: float) -> None:
         self.manager = manager
+        self.key = key
         self.future = future
         self.deadline = deadline
-        self.matcher: GrammarMatcher | None = None
-        self.num_accepted = 0  # tokens the matcher has accepted (the fill checks it)
-        self.terminated = False  # as of the last accept: read without touching the matcher
+        self.handle: Any = None  # the executor's matcher handle, once compiled
+        self.num_sent = 0  # committed tokens handed to the matcher (the fill checks it)
+        self.terminated = False  # its stop token was committed: no more tokens
         self.rejected = False  # the matcher refused a committed token (an engine bug)
 
     def poll(self) -> bool:
-        """True once the matcher is ready; False while compiling; raises GrammarError."""
-        if self.matcher is not None:
+        """True once the matcher is ready; False while compiling (or while the grammar worker
+        starts); raises GrammarError."""
+        if self.handle is not None:
             return True
         if not self.future.done():
             if time.monotonic() >= self.deadline:
@@ -95,27 +162,21 @@ class RequestGrammar:
         exc = self.future.exception()
         if exc is not None:
             raise exc if isinstance(exc, GrammarError) else GrammarError(str(exc))
-        self.matcher = self.manager.backend.matcher(self.future.result())
+        executor = self.manager.executor
+        if not executor.ready():
+            return False
+        self.handle = executor.open(self.key, self.future.result())
         return True
 
-    def is_terminated(self) -> bool:
-        """Complete and its stop token accepted: no more tokens (commit and the mask fill both
-        ask every step, so it is cached at accept)."""
-        return self.terminated
+    def note_token(self, token_id: int) -> None:
+        """A committed token on its way to the matcher. A matcher accepts a stop token only where
+        its grammar may end and is terminated exactly then, so the end is known here, without
+        waiting for the accept (a rejected token aborts the request anyway)."""
+        self.num_sent += 1
+        self.terminated = token_id in self.manager.backend.stop_token_ids
 
-
-def accept_tokens(grammars: list[RequestGrammar], tokens: list[int]) -> None:
-    """Advance each grammar's matcher by its committed token, in one backend call. A matcher
-    accepts a stop token only where its grammar may end and is terminated exactly then, so
-    `terminated` needs no call per matcher. A rejection sets `rejected` (the matcher stays put)."""
-    assert all(g.matcher is not None for g in grammars), \
-        "a token was committed before the grammar was ready"
-    backend = grammars[0].manager.backend
-    ok = backend.accept_tokens([g.matcher for g in grammars], tokens)
-    stops = backend.stop_token_ids
-    for grammar, token_id, accepted in zip(grammars, tokens, ok):
-        if accepted:
-            grammar.num_accepted += 1
-            grammar.terminated = token_id in stops
-        else:
-            grammar.rejected = True
+    def release(self) -> None:
+        """The sequence is done and no job refers to its matcher any more."""
+        if self.handle is not None:
+            self.manager.executor.close(self.handle)
+            self.handle = None

@@ -24,7 +24,7 @@ from photon.engine.scheduler import CommittedToken, ScheduledRow, SchedulerOutpu
 from photon.model.loader import load_model
 from photon.structured.backend import bitmask_width
 from photon.structured.bitmask import TokenMask, grammar_rows, mask_numel, mask_views
-from photon.structured.manager import StructuredOutputManager
+from photon.structured.manager import RequestGrammar, StructuredOutputManager
 from photon.worker.cuda_graph import DecodeGraphs, pad_decode_arrays
 from photon.worker.decode_inputs import RowState, build_decode_arrays, is_plain_decode
 from photon.worker.inputs import StepArrays, build_step_arrays
@@ -42,6 +42,15 @@ CPU_DEFAULT_KV_BYTES = 256 << 20
 
 
 @dataclass
+class PreparedStep:
+    slot: StepSlot
+    rows: list[ScheduledRow]
+    arrays: StepArrays
+    dev: dict[str, torch.Tensor]  # device views of the staged inputs (valid after the upload)
+    graph_key: tuple[int, int] | None
+
+
+@dataclass
 class StepHandle:
     slot: StepSlot
     rows: list[ScheduledRow]
@@ -51,6 +60,7 @@ class StepHandle:
     num_sampled: int = 0
     max_logprobs: int = -1
     marks: StepMarks | None = None  # set only while a StepProbe is attached (benchmarks)
+    masks_started: bool = False  # its grammar-mask fill was submitted (begin_grammar_step)
 
 
 class ModelRunner:
@@ -86,7 +96,8 @@ class ModelRunner:
                                8 * max_seqs, mask_size) for i in range(2)]
         self.sampler = Sampler()
         self.step_count = 0
-        self.grammar_fill_s = 0.0  # host time in grammar-mask fills (bench structured reports it)
+        self.grammar_wait_s = 0.0  # engine-thread time waiting for grammar jobs (bench structured)
+        self._grammar_pending = False
         self.probe: StepProbe | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -144,9 +155,10 @@ class ModelRunner:
             self.free_pool_rows.append(req.pool_row)
             req.pool_row = None
 
-    # ---- launch -------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def launch(self, plan: SchedulerOutput) -> StepHandle:
+    # ---- prepare / launch ---------------------------------------------------------------------
+    def prepare(self, plan: SchedulerOutput) -> PreparedStep:
+        """Host half of a launch: pool rows, the step's input arrays, staged into the free slot's
+        pinned buffers. The pipelined loop prepares t+2 while the grammar fill of t+1 runs."""
         slot = self.slots[self.step_count % 2]
         self.step_count += 1
         self._assign_pool_rows(plan.rows)
@@ -164,30 +176,36 @@ class ModelRunner:
         ints, floats = slot.stage([arrays.ints[k] for k in _INT_FIELDS],
                                   [arrays.floats[k] for k in _FLOAT_FIELDS])
         dev = dict(zip(_INT_FIELDS, ints)) | dict(zip(_FLOAT_FIELDS, floats))
+        return PreparedStep(slot, plan.rows, arrays, dev, graph_key)
+
+    @torch.inference_mode()
+    def launch(self, prep: PreparedStep) -> StepHandle:
+        """Device half: the H2D of the staged inputs and the forward, enqueued."""
+        slot, arrays, dev = prep.slot, prep.arrays, prep.dev
         slot.upload(self.streams)
         marks = self.probe.new_step() if self.probe is not None else None
         if marks is not None:
             self.probe.mark(marks, "fwd_start")
         if arrays.ints["write_idx"].size:
             self.token_pool.view(-1)[dev["write_idx"]] = dev["write_ids"].to(torch.int32)
-        if graph_key is not None:
-            hidden = self.graphs.run(graph_key, dev, len(plan.rows))
+        if prep.graph_key is not None:
+            hidden = self.graphs.run(prep.graph_key, dev, len(prep.rows))
         else:
-            hidden = self._forward_eager(plan, arrays, dev)
+            hidden = self._forward_eager(prep.rows, arrays, dev)
         logits = None
         if arrays.sample_rows:
             sel = hidden if arrays.decode_only else hidden[dev["logits_indices"]]
             logits = self.model.compute_logits(sel)
         if marks is not None:
             self.probe.mark(marks, "fwd_end")
-        return StepHandle(slot, plan.rows, arrays, dev, logits, len(arrays.sample_rows),
+        return StepHandle(slot, prep.rows, arrays, dev, logits, len(arrays.sample_rows),
                           int(arrays.flags["max_logprobs"]), marks)
 
-    def _forward_eager(self, plan: SchedulerOutput, arrays: StepArrays,
+    def _forward_eager(self, rows: list[ScheduledRow], arrays: StepArrays,
                        dev: dict[str, torch.Tensor]) -> torch.Tensor:
         meta = AttentionMetadata(
             slot_mapping=dev["slot_mapping"],
-            block_tables=dev["block_tables"].view(len(plan.rows), -1).to(torch.int32),
+            block_tables=dev["block_tables"].view(len(rows), -1).to(torch.int32),
             seq_lens=dev["seq_lens"].to(torch.int32),
             query_start_loc=dev["query_start_loc"].to(torch.int32),
             seq_lens_host=arrays.seq_lens_host,
@@ -199,22 +217,48 @@ class ModelRunner:
         return self.model(input_ids, dev["positions"], ctx)
 
     # ---- finalize -----------------------------------------------------------------------------
+    def begin_grammar_step(self, accepts: list[tuple[RequestGrammar, int]],
+                           h: StepHandle | None) -> None:
+        """Submit one grammar job: the matchers accept commit(t)'s tokens, then fill the masks of
+        `h`'s grammar rows (step t+1). The pipelined loop calls it right after commit(t)'s wait;
+        the job runs (in the grammar worker) while the engine thread appends and plans."""
+        for grammar, token_id in accepts:
+            grammar.note_token(token_id)  # before the fills' check that every token was handed on
+        fills: list[tuple[int, RequestGrammar]] = []
+        mask = None
+        if h is not None and h.arrays.flags["any_grammar"]:
+            assert self.structured is not None, "a grammar row reached a runner without grammars"
+            h.masks_started = True
+            n, words = h.num_sampled, self.structured.backend.mask_words
+            host = self.structured.executor.mask_buffer(h.slot.index, mask_numel(n, words))
+            mask = mask_views(host, n, words)
+            fills = grammar_rows([h.rows[i] for i in h.arrays.sample_rows], mask)
+        if accepts or fills:
+            self.structured.submit(accepts, fills, mask)
+            self._grammar_pending = True
+
+    def end_grammar_step(self) -> list[RequestGrammar]:
+        """Wait for the submitted grammar job; the grammars that rejected their token."""
+        if not self._grammar_pending:
+            return []
+        self._grammar_pending = False
+        start = time.perf_counter()
+        rejected = self.structured.wait()
+        self.grammar_wait_s += time.perf_counter() - start
+        return rejected
+
     def _grammar_bitmask(self, h: StepHandle) -> TokenMask | None:
-        """Fill the step's grammar masks on the host (forward t+1 is running meanwhile) from the
-        matchers as of commit(t), and enqueue their H2D. None when no sampling row has a grammar
-        (a host flag): plain steps pay nothing."""
+        """The step's masks on the device (their fill done), H2D enqueued. None for steps without
+        a grammar row (a host flag): plain steps pay nothing."""
         if not h.arrays.flags["any_grammar"]:
             return None
-        assert self.structured is not None, "a grammar row reached a runner without grammars"
-        backend = self.structured.backend
-        n, words = h.num_sampled, backend.mask_words
-        start = time.perf_counter()
-        mask = mask_views(h.slot.mask_host, n, words)
-        matchers, indices = grammar_rows([h.rows[i] for i in h.arrays.sample_rows], mask)
-        if indices:
-            backend.fill_bitmasks(matchers, mask.bits, indices)
-        self.grammar_fill_s += time.perf_counter() - start
-        return mask_views(h.slot.upload_mask(self.streams, mask_numel(n, words)), n, words)
+        if not h.masks_started:  # blocking loop, or the first step: fill now
+            self.begin_grammar_step([], h)
+            self.end_grammar_step()
+        assert not self._grammar_pending, "finalize before the grammar job was waited for"
+        n, words = h.num_sampled, self.structured.backend.mask_words
+        host = self.structured.executor.mask_buffer(h.slot.index, mask_numel(n, words))
+        return mask_views(h.slot.upload_mask(self.streams, host, mask_numel(n, words)), n, words)
 
     def _sampling_batch(self, h: StepHandle) -> SamplingBatch:
         d, f = h.dev, h.arrays.flags

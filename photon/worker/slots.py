@@ -12,10 +12,12 @@ Fences (CUDA; on CPU every copy is synchronous and every fence a no-op):
                 records S.copy_done
   commit(t):    the host waits S.copy_done: the only host sync of an iteration
 Grammar masks (only in steps where some sampling row has a grammar):
-  finalize(t):  host fills S.mask_host (pinned) from the matchers -> copy stream: H2D
-                S.mask_host -> S.mask_dev, record S.mask_ready; compute stream waits S.mask_ready
-                before sampling. Both buffers are free again at t+2 for the same reason as S.dev_*:
-                commit(t) waited S.copy_done, recorded after this H2D and after S.sampled.
+  commit(t-1):  the grammar executor fills mask buffer S (page-locked host memory: pinned, or
+                the grammar worker's shared memory registered with CUDA) from the matchers
+  finalize(t):  once that job is done: copy stream: H2D mask buffer S -> S.mask_dev, record
+                S.mask_ready; compute stream waits S.mask_ready before sampling. Both buffers
+                are free again at t+2 for the same reason as S.dev_*: commit(t) waited
+                S.copy_done, recorded after this H2D and after S.sampled.
 Reuse of S at t+2 is safe: commit(t) waited S.copy_done, which the copy stream recorded after the
 H2D of step t and after the compute stream's S.sampled (so forward t no longer reads S.dev_*).
 """
@@ -96,10 +98,9 @@ class StepSlot:
         self.out_f_dev = torch.zeros(max_rows * (1 + k), dtype=torch.float32, device=device)
         self.out_i_host = torch.zeros_like(self.out_i_dev, device="cpu", pin_memory=pin)
         self.out_f_host = torch.zeros_like(self.out_f_dev, device="cpu", pin_memory=pin)
-        # A step's packed next-token masks, flat int32 (layout: photon.structured.bitmask).
-        self.mask_host = torch.zeros(mask_numel, dtype=torch.int32, pin_memory=pin)
-        self.mask_dev = torch.zeros(mask_numel, dtype=torch.int32, device=device) \
-            if pin else self.mask_host
+        # A step's packed next-token masks, flat int32 (layout: photon.structured.bitmask); their
+        # host side is the grammar executor's buffer for this slot.
+        self.mask_dev = torch.zeros(mask_numel, dtype=torch.int32, device=device) if pin else None
         self.mask_ready = torch.cuda.Event() if pin else None
         self.h2d_done = torch.cuda.Event() if pin else None
         self.sampled = torch.cuda.Event() if pin else None
@@ -123,12 +124,13 @@ class StepSlot:
                 self.h2d_done.record()
             streams.compute.wait_event(self.h2d_done)
 
-    def upload_mask(self, streams: Streams, numel: int) -> torch.Tensor:
-        """H2D of the mask buffer's head on the copy stream, fenced for the compute stream."""
+    def upload_mask(self, streams: Streams, host: torch.Tensor, numel: int) -> torch.Tensor:
+        """H2D of the head of `host` (page-locked) on the copy stream, fenced for the compute
+        stream; on CPU, `host` itself."""
         if not streams.cuda:
-            return self.mask_host
+            return host
         with torch.cuda.stream(streams.copy):
-            self.mask_dev[:numel].copy_(self.mask_host[:numel], non_blocking=True)
+            self.mask_dev[:numel].copy_(host[:numel], non_blocking=True)
             self.mask_ready.record()
         streams.compute.wait_event(self.mask_ready)
         return self.mask_dev

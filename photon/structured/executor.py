@@ -1,0 +1,122 @@
+"""Where grammar matchers live and a step's accepts and mask fill run.
+
+A step's grammar work is one job: the matchers accept step t's committed tokens, then fill the
+masks of step t+1's rows. The engine `submit`s it right after commit(t)'s wait and `wait`s for it in
+finalize(t+1); in between it appends tokens, checks stops and plans t+2.
+
+- `InlineExecutor` runs the job at `submit`, on the engine thread (no overlap).
+- `ProcessExecutor` (photon.structured.worker) runs it in a grammar-worker process, beside the
+  engine thread's Python: the fill (xgrammar's C++, ~0.2-0.6 ms a step for 32-128 JSON rows on the
+  H200 host) leaves the engine's critical path. Threads could not do this: a thread needs the GIL
+  to start and finish the call, and the hand-offs cost more than the overlap saved (session 6/7
+  measurements in docs/benchmarks.md).
+
+Matchers are addressed by handle (`open` returns one per sequence; `close` frees it): the matcher
+object itself inline, an integer slot in the worker. Masks are written into host buffers the
+executor hands out (`mask_buffer`): pinned memory inline, shared memory registered with CUDA for the
+worker, so either way the H2D copy is asynchronous.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import torch
+
+from photon.structured.backend import GrammarBackend
+from photon.structured.bitmask import TokenMask
+
+
+class GrammarExecutor(Protocol):
+    def prepare(self, key: tuple, spec: Any) -> None:
+        """A grammar is being compiled on the engine side (the worker compiles its own copy)."""
+
+    def forget(self, key: tuple) -> None:
+        """The engine's compile cache dropped `key`."""
+
+    def ready(self) -> bool:
+        """Whether matchers can be opened (a worker may still be starting)."""
+
+    def open(self, key: tuple, compiled: Any) -> Any:
+        """A matcher at the start of a compiled grammar; returns its handle."""
+
+    def close(self, handle: Any) -> None:
+        """The matcher's sequence is released: no job refers to it any more."""
+
+    def mask_buffer(self, index: int, numel: int) -> torch.Tensor:
+        """Host int32 buffer `index` (one per pipeline slot), at least `numel` long."""
+
+    def submit(self, accepts: list[tuple[Any, int]], fills: list[tuple[int, Any]],
+               mask: TokenMask | None) -> None:
+        """Accept each (handle, token), then fill `mask.bits` row j from handle for each (j,
+        handle). A handle whose token was rejected gets an all-ones row (its request aborts)."""
+
+    def wait(self) -> list[int]:
+        """Until the submitted job is done; the indices into its `accepts` that were rejected."""
+
+    @property
+    def busy_s(self) -> float:
+        """Time spent in step jobs so far (wherever they ran)."""
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (idempotent)."""
+
+
+class InlineExecutor:
+    """The job runs on the caller's thread, inside `submit`."""
+
+    def __init__(self, backend: GrammarBackend, pin: bool) -> None:
+        self.backend = backend
+        self.pin = pin
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._rejected: list[int] = []
+        self.busy_s = 0.0  # time in step jobs (bench structured reports it)
+
+    def prepare(self, key: tuple, spec: Any) -> None:
+        pass
+
+    def forget(self, key: tuple) -> None:
+        pass
+
+    def ready(self) -> bool:
+        return True
+
+    def open(self, key: tuple, compiled: Any) -> Any:
+        return self.backend.matcher(compiled)
+
+    def close(self, handle: Any) -> None:
+        pass
+
+    def mask_buffer(self, index: int, numel: int) -> torch.Tensor:
+        buf = self._buffers.get(index)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[index] = torch.zeros(numel, dtype=torch.int32, pin_memory=self.pin)
+        return buf
+
+    def submit(self, accepts: list[tuple[Any, int]], fills: list[tuple[int, Any]],
+               mask: TokenMask | None) -> None:
+        start = time.perf_counter()
+        self._run(accepts, fills, mask)
+        self.busy_s += time.perf_counter() - start
+
+    def _run(self, accepts: list[tuple[Any, int]], fills: list[tuple[int, Any]],
+             mask: TokenMask | None) -> None:
+        ok = self.backend.accept_tokens([h for h, _ in accepts], [t for _, t in accepts]) \
+            if accepts else []
+        self._rejected = [i for i, accepted in enumerate(ok) if not accepted]
+        if self._rejected:
+            dead = {id(accepts[i][0]) for i in self._rejected}
+            for j, handle in fills:
+                if id(handle) in dead:
+                    mask.bits[j] = -1
+            fills = [(j, h) for j, h in fills if id(h) not in dead]
+        if fills:
+            self.backend.fill_bitmasks([h for _, h in fills], mask.bits, [j for j, _ in fills])
+
+    def wait(self) -> list[int]:
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
+    def shutdown(self) -> None:
+        pass

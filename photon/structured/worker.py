@@ -1,0 +1,271 @@
+"""The grammar-worker process: matchers, accepts and mask fills beside the engine thread.
+
+`ProcessExecutor` (engine side) starts `python -m photon.structured.worker` with two inherited file
+descriptors: a socket for messages, a file with the engine's tokenizer, and a shared-memory file for
+a step's arrays and both pipeline slots' mask buffers (registered with CUDA on the engine side,
+so their H2D copies are asynchronous). A fresh interpreter, not multiprocessing: it never re-imports the user's script.
+
+Messages, in order on one socket (engine -> worker):
+  ("compile", key, spec)   compile a grammar the engine is compiling too (it validated it)
+  ("forget", key)          the engine's cache dropped it
+  ("open", slot, key)      a matcher at the start of grammar `key`, addressed by `slot`
+  ("close", slot)
+  ("step", n_accept, n_fill, buffer, rows, words)
+                           accept tokens[i] on slots[i] for i < n_accept, then fill mask rows
+                           fill_rows[i] of buffer `buffer` ([rows, words] bits) from fill_slots[i]
+worker -> engine: ("ready",) once after start-up; ("done", n_rejected, seconds) per step (the
+rejected accept indices in shared memory; the job's time); ("error", text) when a step failed.
+The engine waits for "done" in finalize(t+1); everything it sent before a step is handled first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import torch
+
+from photon.structured.bitmask import TokenMask, mask_numel
+from photon.tokenizer import Tokenizer
+
+ARRAYS = ("acc_slot", "acc_tok", "fill_row", "fill_slot", "rejected")
+
+
+class SharedLayout:
+    """Offsets (in int32 words) of the shared file: five row arrays, then two mask buffers."""
+
+    def __init__(self, max_rows: int, words: int) -> None:
+        self.max_rows = max_rows
+        self.mask_numel = mask_numel(max_rows, words)
+        self.nbytes = 4 * (len(ARRAYS) * max_rows + 2 * self.mask_numel)
+
+    def views(self, buf: Any) -> tuple[dict[str, np.ndarray], list[torch.Tensor]]:
+        flat = torch.frombuffer(buf, dtype=torch.int32)
+        arrays = {name: flat[i * self.max_rows:(i + 1) * self.max_rows].numpy()
+                  for i, name in enumerate(ARRAYS)}
+        start = len(ARRAYS) * self.max_rows
+        masks = [flat[start + i * self.mask_numel:start + (i + 1) * self.mask_numel]
+                 for i in range(2)]
+        return arrays, masks
+
+
+# ------------------------------------------------------------------------------ engine side
+class ProcessExecutor:
+    """The engine's end of one grammar-worker process (see photon.structured.executor)."""
+
+    def __init__(self, tokenizer: Tokenizer, backend: str, vocab_size: int, threads: int,
+                 max_rows: int, words: int, cuda: bool) -> None:
+        self.layout = SharedLayout(max_rows, words)
+        self._file = os.fdopen(os.memfd_create("photon-grammar") if hasattr(os, "memfd_create")
+                               else _unlinked_temp_fd(), "r+b", buffering=0)
+        os.ftruncate(self._file.fileno(), self.layout.nbytes)
+        self._mem = mmap.mmap(self._file.fileno(), self.layout.nbytes)
+        self.arrays, self._masks = self.layout.views(self._mem)
+        self._registered = _cuda_register(self._masks[0], 2 * self.layout.mask_numel) \
+            if cuda else False
+        # The tokenizer goes by file (pickled: its JSON), not by the socket: a send that large
+        # would block until the worker finished importing. The model directory may be gone.
+        init = tempfile.TemporaryFile()
+        pickle.dump(tokenizer, init)
+        init.seek(0)
+        ours, theirs = socket.socketpair()
+        self.conn = Connection(ours.detach())
+        fds = (theirs.fileno(), self._file.fileno(), init.fileno())
+        cmd = [sys.executable, "-m", "photon.structured.worker", "--sock", str(fds[0]),
+               "--mem", str(fds[1]), "--init", str(fds[2]), "--backend", backend,
+               "--vocab-size", str(vocab_size), "--threads", str(threads),
+               "--max-rows", str(max_rows), "--words", str(words)]
+        self.proc = subprocess.Popen(cmd, pass_fds=fds)
+        theirs.close()
+        init.close()
+        # An engine that is dropped without shutdown() still ends its worker.
+        self._finalizer = weakref.finalize(self, _stop_worker, self.proc, self.conn)
+        self._send_lock = threading.Lock()  # compiles are announced from the server's thread too
+        self._ready = False
+        self.busy_s = 0.0  # the worker's time in step jobs
+        self._pending = 0
+        self._next_slot = 0
+        self._free_slots: list[int] = []
+
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:
+            self.conn.send(msg)
+
+    def ready(self) -> bool:
+        """Whether the worker finished starting (it imports xgrammar and builds its vocabulary
+        tables: seconds); raises if it died."""
+        if self._ready:
+            return True
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the grammar worker exited with status {self.proc.returncode}")
+        if self.conn.poll(0):
+            self._expect("ready")
+            self._ready = True
+        return self._ready
+
+    def _expect(self, kind: str) -> tuple:
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            raise RuntimeError("the grammar worker died") from None
+        if msg[0] == "error":
+            raise RuntimeError(f"grammar worker: {msg[1]}")
+        assert msg[0] == kind, f"grammar worker sent {msg[0]!r}, expected {kind!r}"
+        return msg
+
+    def prepare(self, key: tuple, spec: Any) -> None:
+        self._send(("compile", key, spec))
+
+    def forget(self, key: tuple) -> None:
+        self._send(("forget", key))
+
+    def open(self, key: tuple, compiled: Any) -> int:
+        slot = self._free_slots.pop() if self._free_slots else self._next_slot
+        self._next_slot = max(self._next_slot, slot + 1)
+        self._send(("open", slot, key))
+        return slot
+
+    def close(self, handle: int) -> None:
+        self._send(("close", handle))
+        self._free_slots.append(handle)
+
+    def mask_buffer(self, index: int, numel: int) -> torch.Tensor:
+        assert numel <= self.layout.mask_numel, "mask larger than the shared buffer"
+        return self._masks[index]
+
+    def submit(self, accepts: list[tuple[int, int]], fills: list[tuple[int, int]],
+               mask: TokenMask) -> None:
+        a = self.arrays
+        n, m = len(accepts), len(fills)
+        if n:
+            a["acc_slot"][:n], a["acc_tok"][:n] = zip(*accepts)
+        if m:
+            a["fill_row"][:m] = [j for j, _ in fills]
+            a["fill_slot"][:m] = [h for _, h in fills]
+        index, rows, words = 0, 0, 0
+        if mask is not None:
+            index = 0 if mask.bits.data_ptr() < self._masks[1].data_ptr() else 1
+            rows, words = mask.bits.shape
+        self._send(("step", n, m, index, rows, words))
+        self._pending += 1
+
+    def wait(self) -> list[int]:
+        if not self._pending:
+            return []
+        self._pending -= 1
+        _, n, busy_s = self._expect("done")
+        self.busy_s += busy_s
+        return self.arrays["rejected"][:n].tolist()
+
+    def shutdown(self) -> None:
+        with self._send_lock:
+            self._finalizer()
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self._masks[0].data_ptr())
+            self._registered = False
+
+
+def _stop_worker(proc: subprocess.Popen, conn: Connection) -> None:
+    conn.close()  # the worker reads EOF and returns
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _unlinked_temp_fd() -> int:
+    f = tempfile.TemporaryFile()
+    return os.dup(f.fileno())
+
+
+def _cuda_register(head: torch.Tensor, numel: int) -> bool:
+    """Page-lock the mask buffers so their H2D copies are asynchronous (torch then treats the
+    memory as pinned)."""
+    err = torch.cuda.cudart().cudaHostRegister(head.data_ptr(), 4 * numel, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of the grammar masks failed ({err})")
+    return True
+
+
+# ------------------------------------------------------------------------------ worker side
+class Worker:
+    def __init__(self, ns: argparse.Namespace) -> None:
+        from photon.structured.backend import create_backend
+
+        self.conn = Connection(ns.sock)
+        layout = SharedLayout(ns.max_rows, ns.words)
+        self._mem = mmap.mmap(ns.mem, layout.nbytes)
+        self.arrays, self.masks = layout.views(self._mem)
+        with os.fdopen(ns.init, "rb") as f:
+            tokenizer = pickle.load(f)  # written by this package's engine: trusted
+        self.backend = create_backend(ns.backend, tokenizer, ns.vocab_size, ns.threads)
+        self.compiles: dict[tuple, Future] = {}
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="photon-worker-compile")
+        self.matchers: dict[int, Any] = {}
+
+    def serve(self) -> None:
+        self.conn.send(("ready",))
+        while True:
+            try:
+                msg = self.conn.recv()
+            except EOFError:
+                return  # the engine is gone
+            kind = msg[0]
+            if kind == "step":
+                self.conn.send(self._step(*msg[1:]))
+            elif kind == "compile":
+                self.compiles[msg[1]] = self.pool.submit(self.backend.compile, msg[2])
+            elif kind == "forget":
+                self.compiles.pop(msg[1], None)
+            elif kind == "open":
+                self.matchers[msg[1]] = self.backend.matcher(self.compiles[msg[2]].result())
+            elif kind == "close":
+                self.matchers.pop(msg[1], None)
+
+    def _step(self, n: int, m: int, index: int, rows: int, words: int) -> tuple:
+        start = time.perf_counter()
+        try:
+            a = self.arrays
+            handles = [self.matchers[s] for s in a["acc_slot"][:n].tolist()]
+            ok = self.backend.accept_tokens(handles, a["acc_tok"][:n].tolist()) if n else []
+            rejected = [i for i, accepted in enumerate(ok) if not accepted]
+            a["rejected"][:len(rejected)] = rejected
+            dead = {int(a["acc_slot"][i]) for i in rejected}
+            bits = self.masks[index][:rows * words].view(rows, words)
+            fill_rows, fill_slots = a["fill_row"][:m].tolist(), a["fill_slot"][:m].tolist()
+            live = [(j, s) for j, s in zip(fill_rows, fill_slots) if s not in dead]
+            for j, s in zip(fill_rows, fill_slots):
+                if s in dead:
+                    bits[j] = -1
+            if live:
+                self.backend.fill_bitmasks([self.matchers[s] for _, s in live], bits,
+                                           [j for j, _ in live])
+            return ("done", len(rejected), time.perf_counter() - start)
+        except Exception as e:  # noqa: BLE001 - reported to the engine, which raises it
+            return ("error", f"{type(e).__name__}: {e}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="photon's grammar worker (started by the engine)")
+    for name in ("sock", "mem", "init", "vocab-size", "threads", "max-rows", "words"):
+        p.add_argument(f"--{name}", type=int, required=True)
+    p.add_argument("--backend", required=True)
+    Worker(p.parse_args()).serve()
+
+
+if __name__ == "__main__":
+    main()
