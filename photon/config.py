@@ -81,7 +81,7 @@ class EngineConfig:
     attention_backend: str
     structured_outputs_backend: str = "xgrammar"
     structured_outputs_timeout: float = 30.0
-    structured_outputs_threads: int = 1
+    structured_outputs_threads: int = 8
     structured_outputs_worker: str = "process"
 
     @property
@@ -131,9 +131,9 @@ class EngineArgs:
         "Grammar backend for structured outputs (JSON schema, regex, choice, EBNF)."))
     structured_outputs_timeout: float = field(default=30.0, metadata=_help(
         "Seconds a request's grammar may take to compile; then the request fails (400)."))
-    structured_outputs_threads: int = field(default=1, metadata=_help(
-        "Threads that fill a step's grammar masks (rows split across them, one xgrammar batch "
-        "call each). One was fastest on the H200 for every benchmark batch (docs/benchmarks.md)."))
+    structured_outputs_threads: int = field(default=8, metadata=_help(
+        "Threads that fill a step's grammar masks in the grammar worker (rows dealt across them, "
+        "at least 8 each, one xgrammar batch call per thread); 1 fills them in one call."))
     structured_outputs_worker: str = field(default="process", metadata=_help(
         "Where grammar matchers accept tokens and fill masks: process (a grammar-worker process, "
         "overlapping the engine thread's commit and planning) or inline (on the engine thread)."))

@@ -40,20 +40,7 @@ for step in "${steps[@]}"; do
           --schema $schema --output-json "$OUT/structured_qwen_$schema.json" 2>&1 | grep -v '^{' \
           | tee -a "$log"
       done ;;
-    structured_inline)  # records with the grammar job on the engine thread (A/B for the worker)
-      timeout 200 $P bench structured --model-shape qwen3-0.6b --batch-sizes 32 128 \
-        --structured-outputs-worker inline \
-        --output-json "$OUT/structured_qwen_records_inline.json" 2>&1 | grep -v '^{' | tee -a "$log" ;;
-    structured_ab)  # both schemas: the grammar worker with 8 fill threads vs the engine thread
-      for schema in records records-no-ranges; do
-        for mode in "process --structured-outputs-threads 8" "inline"; do
-          timeout 200 $P bench structured --model-shape qwen3-0.6b --batch-sizes 32 128 \
-            --schema $schema --structured-outputs-worker $mode \
-            --output-json "$OUT/structured_qwen_${schema}_${mode%% *}.json" 2>&1 | grep -v '^{' \
-            | tee -a "$log"
-        done
-      done ;;
-    structured_threads)  # the records schema with 4 and 8 mask-fill threads (default: 1)
+    structured_threads)  # the records schema with 4 and 8 mask-fill threads (default: 8)
       for threads in 4 8; do
         timeout 200 $P bench structured --model-shape qwen3-0.6b --batch-sizes 32 128 \
           --structured-outputs-threads $threads \

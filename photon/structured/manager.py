@@ -32,7 +32,7 @@ WORKERS = ("process", "inline")
 
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: Tokenizer, vocab_size: int, timeout_s: float,
-                 max_workers: int = 2, fill_threads: int = 1, worker: str = "inline",
+                 max_workers: int = 2, fill_threads: int = 8, worker: str = "inline",
                  max_rows: int = 256, cuda: bool = False) -> None:
         if worker not in WORKERS:
             raise ValueError(f"structured_outputs_worker must be one of {', '.join(WORKERS)}; "
