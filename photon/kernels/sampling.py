@@ -98,12 +98,8 @@ def _unordered(key):
 
 @triton.jit
 def _div(x, temp):
-    """x / temp correctly rounded (torch's division); plain `/` may be approximate on GPU.
-    -inf (a grammar-masked or banned token) stays -inf without dividing: div_rn takes its slow
-    path for an infinite operand, and on a masked row that is most of the vocabulary."""
-    masked = x == float("-inf")
-    q = tl.math.div_rn(tl.where(masked, 0.0, x), tl.zeros_like(x) + temp)  # no broadcasting
-    return tl.where(masked, float("-inf"), q)
+    """x / temp correctly rounded (torch's division); plain `/` may be approximate on GPU."""
+    return tl.math.div_rn(x, tl.zeros_like(x) + temp)  # div_rn does not broadcast
 
 
 @triton.jit
