@@ -221,6 +221,8 @@ BAD_ENGINE: list[tuple[dict[str, Any], list[str], str]] = [
      "num_gpu_blocks_override must be a positive integer, got 0"),
     ({"structured_outputs_threads": 0}, ["--structured-outputs-threads", "0"],
      "structured_outputs_threads must be a positive integer, got 0"),
+    ({"structured_outputs_worker": "thread"}, ["--structured-outputs-worker", "thread"],
+     "structured_outputs_worker must be one of process, inline; got 'thread'"),
     ({"attention_backend": "nope"}, ["--attention-backend", "nope"],
      "unknown attention_backend 'nope'; available: auto, torch, triton"),
 ]

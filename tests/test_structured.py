@@ -411,3 +411,33 @@ def test_worker_reports_rejections_and_fills_live_rows(llm: LLM) -> None:
     expected = mask.bits.clone()
     manager.backend.fill_bitmasks([reference], expected, [0])
     assert torch.equal(mask.bits[0], expected[0]) and not (mask.bits[0] == -1).all()
+
+
+def test_grammar_worker_lifecycle() -> None:
+    """The worker process starts with the first grammar; a dropped engine ends it (no reference
+    cycle keeps the executor alive), shutdown() ends it at once, and a worker that died makes
+    the next grammar step fail with a clear error instead of hanging."""
+    import gc
+
+    from photon.engine.async_engine import AsyncEngine
+
+    def started() -> tuple[LLM, object]:
+        llm = LLM(max_model_len=256, max_num_seqs=4)
+        out = llm.generate(["a"], SamplingParams(max_tokens=4, structured_outputs=SO(regex="[a-z]+")),
+                           use_tqdm=False)[0]
+        assert out.outputs[0].token_ids
+        return llm, llm.engine.structured.executor.proc
+
+    llm, proc = started()
+    del llm
+    gc.collect()
+    assert proc.wait(timeout=30) == 0
+    llm, proc = started()
+    AsyncEngine(llm.engine).shutdown()
+    assert proc.poll() is not None
+    llm, proc = started()
+    proc.kill()
+    proc.wait()
+    with pytest.raises(RuntimeError, match="grammar worker"):
+        llm.generate(["b"], SamplingParams(max_tokens=4, structured_outputs=SO(regex="[a-z]+")),
+                     use_tqdm=False)

@@ -104,7 +104,10 @@ class ProcessExecutor:
 
     def _send(self, msg: tuple) -> None:
         with self._send_lock:
-            self.conn.send(msg)
+            try:
+                self.conn.send(msg)
+            except OSError as e:
+                raise RuntimeError(f"the grammar worker died ({e})") from None
 
     def ready(self) -> bool:
         """Whether the worker finished starting (it imports xgrammar and builds its vocabulary
