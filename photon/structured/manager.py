@@ -162,10 +162,13 @@ class RequestGrammar:
         exc = self.future.exception()
         if exc is not None:
             raise exc if isinstance(exc, GrammarError) else GrammarError(str(exc))
-        executor = self.manager.executor
-        if not executor.ready():
-            return False
-        self.handle = executor.open(self.key, self.future.result())
+        try:
+            executor = self.manager.executor
+            if not executor.ready():
+                return False
+            self.handle = executor.open(self.key, self.future.result())
+        except RuntimeError as e:  # the grammar worker is gone: this request fails, not the engine
+            raise GrammarError(f"structured outputs are unavailable: {e}") from None
         return True
 
     def note_token(self, token_id: int) -> None:
