@@ -1,7 +1,7 @@
 """GPU timeline of `photon bench structured`'s batches under torch.profiler: per step, the compute
-stream's kernel time by class and its idle gaps, each gap charged to the kernel that ended it (a gap
-before the grammar-mask apply is the GPU waiting for the host's fill; before the first kernel of a
-forward, for plan and launch).
+stream's kernel time by class and by kernel name, and its idle gaps, each gap charged to the kernel
+that ended it (a gap before the grammar-mask apply is the GPU waiting for the host's grammar job;
+before the first kernel of a forward, for plan and launch).
 
 Usage: python tools/profile_structured_gpu.py [--batches 32 128] [--schema records] [--out DIR]
 Prints one JSON object per (batch, run); with --out, also writes them to DIR/profile_gpu.json.
@@ -42,6 +42,7 @@ def _compute_stream_events(trace: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _timeline(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     by_class: Counter[str] = Counter()
+    by_name: Counter[str] = Counter()
     gap_before: Counter[str] = Counter()
     idle, end = 0.0, events[0]["ts"]
     for e in events:
@@ -50,11 +51,13 @@ def _timeline(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
             idle += gap
             gap_before[e["name"][:70]] += gap
         by_class[_kernel_class(e["name"]) if e["cat"] == "kernel" else e["cat"]] += e["dur"]
+        by_name[e["name"][:70]] += e["dur"]
         end = max(end, e["ts"] + e["dur"])
     span = end - events[0]["ts"]
     per = 1e-3 / steps
     return {"steps": steps, "span_ms_per_step": span * per, "idle_ms_per_step": idle * per,
             "busy_ms_per_step": {k: v * per for k, v in by_class.most_common()},
+            "top_kernels_ms_per_step": {k: v * per for k, v in by_name.most_common(15)},
             "idle_before_ms_per_step": {k: v * per for k, v in gap_before.most_common(12)}}
 
 
