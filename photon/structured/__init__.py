@@ -4,7 +4,9 @@ params.py   StructuredOutputsParams (the user's spec)
 backend.py  GrammarBackend / GrammarMatcher interfaces and the backend registry
 xgrammar_backend.py  the xgrammar backend (imported only when a grammar is first compiled)
 manager.py  compile thread pool, cache by spec, timeout; RequestGrammar per sequence
-bitmask.py  host fill of the next-token bitmask and its on-device application
+executor.py where the matchers live and a step's grammar job (accepts, then fills) runs
+worker.py   the grammar-worker process (the default executor) and its engine end
+bitmask.py  the next-token mask layout, host row selection and on-device application
 """
 
 from __future__ import annotations
