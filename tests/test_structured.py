@@ -403,7 +403,7 @@ def test_worker_reports_rejections_and_fills_live_rows(llm: LLM) -> None:
     for grammar, t in accepts:
         grammar.note_token(t)
     fills = grammar_rows([_mask_row(good, out_index=1), _mask_row(bad, out_index=1)], mask)
-    manager.submit(accepts, fills, mask)
+    manager.submit(accepts, fills, mask, 1)
     assert manager.wait() == [bad] and bad.rejected and not good.rejected
     assert (mask.bits[1] == -1).all()
     reference = manager.backend.matcher(good.future.result())

@@ -65,12 +65,13 @@ def grammar_rows(rows: list[ScheduledRow], mask: TokenMask) -> list[tuple[int, A
             "grammar mask built before the previous token was committed"
         todo.append((j, grammar))
     bits, tail = mask.bits.numpy(), mask.tail.numpy()
+    grammar_js = [j for j, _ in todo]
     tail.fill(ALLOW_ALL)
     if len(todo) < len(rows):
         free = np.ones(len(rows), dtype=bool)
-        free[[j for j, _ in todo]] = False
+        free[grammar_js] = False
         bits[free] = ALLOW_ALL
-    tail[[j for j, _ in todo]] = 0
+    tail[grammar_js] = 0
     return todo
 
 

@@ -48,9 +48,9 @@ class GrammarExecutor(Protocol):
         """Host int32 buffer `index` (one per pipeline slot), at least `numel` long."""
 
     def submit(self, accepts: list[tuple[Any, int]], fills: list[tuple[int, Any]],
-               mask: TokenMask | None) -> None:
-        """Accept each (handle, token), then fill `mask.bits` row j from handle for each (j,
-        handle). A handle whose token was rejected gets an all-ones row (its request aborts)."""
+               mask: TokenMask | None, index: int) -> None:
+        """Accept each (handle, token), then fill `mask.bits` (a view of `mask_buffer(index)`)
+        row j from handle for each (j, handle): see `run_job`."""
 
     def wait(self) -> list[int]:
         """Until the submitted job is done; the indices into its `accepts` that were rejected."""
@@ -95,24 +95,11 @@ class InlineExecutor:
         return buf
 
     def submit(self, accepts: list[tuple[Any, int]], fills: list[tuple[int, Any]],
-               mask: TokenMask | None) -> None:
+               mask: TokenMask | None, index: int) -> None:
         start = time.perf_counter()
-        self._run(accepts, fills, mask)
+        self._rejected = run_job(self.backend, accepts, fills,
+                                 mask.bits if mask is not None else None)
         self.busy_s += time.perf_counter() - start
-
-    def _run(self, accepts: list[tuple[Any, int]], fills: list[tuple[int, Any]],
-             mask: TokenMask | None) -> None:
-        ok = self.backend.accept_tokens([h for h, _ in accepts], [t for _, t in accepts]) \
-            if accepts else []
-        self._rejected = [i for i, accepted in enumerate(ok) if not accepted]
-        if self._rejected:
-            dead = {id(accepts[i][0]) for i in self._rejected}
-            for j, handle in fills:
-                if id(handle) in dead:
-                    mask.bits[j] = -1
-            fills = [(j, h) for j, h in fills if id(h) not in dead]
-        if fills:
-            self.backend.fill_bitmasks([h for _, h in fills], mask.bits, [j for j, _ in fills])
 
     def wait(self) -> list[int]:
         rejected, self._rejected = self._rejected, []
@@ -120,3 +107,24 @@ class InlineExecutor:
 
     def shutdown(self) -> None:
         pass
+
+
+def run_job(backend: GrammarBackend, accepts: list[tuple[Any, int]],
+            fills: list[tuple[int, Any]], bits: torch.Tensor | None) -> list[int]:
+    """One step's grammar job, wherever it runs (engine thread or grammar worker): the matchers
+    accept their tokens, then fill `bits` row j for each (j, matcher). A matcher that rejected its
+    token gets an all-ones row instead (its request aborts after the job). Returns the indices
+    into `accepts` that were rejected."""
+    ok = backend.accept_tokens([h for h, _ in accepts], [t for _, t in accepts]) \
+        if accepts else []
+    rejected = [i for i, accepted in enumerate(ok) if not accepted]
+    dead = {id(accepts[i][0]) for i in rejected}
+    live = []
+    for j, handle in fills:
+        if id(handle) in dead:
+            bits[j] = -1
+        else:
+            live.append((j, handle))
+    if live:
+        backend.fill_bitmasks([h for _, h in live], bits, [j for j, _ in live])
+    return rejected

@@ -111,12 +111,13 @@ class StructuredOutputManager:
                               time.monotonic() + self.timeout_s)
 
     def submit(self, accepts: list[tuple[RequestGrammar, int]],
-               fills: list[tuple[int, RequestGrammar]], mask: TokenMask | None) -> None:
+               fills: list[tuple[int, RequestGrammar]], mask: TokenMask | None,
+               index: int = 0) -> None:
         """One step's job: the accepts (committed tokens, already noted with `note_token`), then
         the fills of the next step's grammar rows into `mask` (the other rows were set by
-        `grammar_rows`)."""
+        `grammar_rows`), a view of the executor's mask buffer `index`."""
         self.executor.submit([(g.handle, t) for g, t in accepts],
-                             [(j, g.handle) for j, g in fills], mask)
+                             [(j, g.handle) for j, g in fills], mask, index)
         self._submitted = [g for g, _ in accepts]
 
     def wait(self) -> list[RequestGrammar]:

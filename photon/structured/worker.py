@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from photon.structured.bitmask import TokenMask, mask_numel
+from photon.structured.executor import run_job
 from photon.tokenizer import Tokenizer
 
 ARRAYS = ("acc_slot", "acc_tok", "fill_row", "fill_slot", "rejected")
@@ -152,7 +153,7 @@ class ProcessExecutor:
         return self._masks[index]
 
     def submit(self, accepts: list[tuple[int, int]], fills: list[tuple[int, int]],
-               mask: TokenMask) -> None:
+               mask: TokenMask | None, index: int) -> None:
         a = self.arrays
         n, m = len(accepts), len(fills)
         if n:
@@ -160,10 +161,7 @@ class ProcessExecutor:
         if m:
             a["fill_row"][:m] = [j for j, _ in fills]
             a["fill_slot"][:m] = [h for _, h in fills]
-        index, rows, words = 0, 0, 0
-        if mask is not None:
-            index = 0 if mask.bits.data_ptr() < self._masks[1].data_ptr() else 1
-            rows, words = mask.bits.shape
+        rows, words = mask.bits.shape if mask is not None else (0, 0)
         self._send(("step", n, m, index, rows, words))
         self._pending += 1
 
@@ -184,10 +182,10 @@ class ProcessExecutor:
             self._registered = False
 
 
-# With a GPU, both ends poll instead of sleeping in recv() while steps are coming (each keeps its
-# core awake) for up to this long after the last message, then block. On the H200 host a worker
-# that slept between steps filled masks at half the speed of the engine thread (0.97 vs 0.54 ms a
-# step for 128 JSON rows): a core that idles loses its caches and clock. On CPU the cores are the
+# With a GPU, both ends poll the socket for up to this long after the last message instead of
+# sleeping in recv(), so neither pays a thread wake-up per step (a step is ~2 ms). The final H200
+# runs (docs/benchmarks.md, 7f-7h) used it; on its own it did not make the worker's job faster
+# (7e vs 7f, different machines), so what it buys is not measured apart. On CPU the cores are the
 # forward's, so nobody spins.
 SPIN_S = 0.05
 
@@ -262,20 +260,13 @@ class Worker:
         start = time.perf_counter()
         try:
             a = self.arrays
-            handles = [self.matchers[s] for s in a["acc_slot"][:n].tolist()]
-            ok = self.backend.accept_tokens(handles, a["acc_tok"][:n].tolist()) if n else []
-            rejected = [i for i, accepted in enumerate(ok) if not accepted]
-            a["rejected"][:len(rejected)] = rejected
-            dead = {int(a["acc_slot"][i]) for i in rejected}
+            accepts = [(self.matchers[s], t)
+                       for s, t in zip(a["acc_slot"][:n].tolist(), a["acc_tok"][:n].tolist())]
+            fills = [(j, self.matchers[s])
+                     for j, s in zip(a["fill_row"][:m].tolist(), a["fill_slot"][:m].tolist())]
             bits = self.masks[index][:rows * words].view(rows, words)
-            fill_rows, fill_slots = a["fill_row"][:m].tolist(), a["fill_slot"][:m].tolist()
-            live = [(j, s) for j, s in zip(fill_rows, fill_slots) if s not in dead]
-            for j, s in zip(fill_rows, fill_slots):
-                if s in dead:
-                    bits[j] = -1
-            if live:
-                self.backend.fill_bitmasks([self.matchers[s] for _, s in live], bits,
-                                           [j for j, _ in live])
+            rejected = run_job(self.backend, accepts, fills, bits)
+            a["rejected"][:len(rejected)] = rejected
             return ("done", len(rejected), time.perf_counter() - start)
         except Exception as e:  # noqa: BLE001 - reported to the engine, which raises it
             return ("error", f"{type(e).__name__}: {e}")

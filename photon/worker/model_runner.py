@@ -234,7 +234,7 @@ class ModelRunner:
             mask = mask_views(host, n, words)
             fills = grammar_rows([h.rows[i] for i in h.arrays.sample_rows], mask)
         if accepts or fills:
-            self.structured.submit(accepts, fills, mask)
+            self.structured.submit(accepts, fills, mask, h.slot.index if h is not None else 0)
             self._grammar_pending = True
 
     def end_grammar_step(self) -> list[RequestGrammar]:
