@@ -83,6 +83,7 @@ class EngineConfig:
     structured_outputs_timeout: float = 30.0
     structured_outputs_threads: int = 8
     structured_outputs_worker: str = "process"
+    structured_outputs_mask_wait: str = "device"
 
     @property
     def pipeline_depth(self) -> int:
@@ -137,6 +138,10 @@ class EngineArgs:
     structured_outputs_worker: str = field(default="process", metadata=_help(
         "Where grammar matchers accept tokens and fill masks: process (a grammar-worker process, "
         "overlapping the engine thread's commit and planning) or inline (on the engine thread)."))
+    structured_outputs_mask_wait: str = field(default="device", metadata=_help(
+        "Who waits for a step's grammar masks: device (on CUDA with the grammar worker, the GPU "
+        "waits for the worker's fence word before copying them, and the engine thread never "
+        "waits) or host (the engine thread waits before sampling; always so on CPU)."))
 
     def create_config(self) -> EngineConfig:
         from photon.model.tiny import resolve_model_path
@@ -188,6 +193,9 @@ class EngineArgs:
             structured_outputs_threads=self.structured_outputs_threads,
             structured_outputs_worker=_check_choice(
                 "structured_outputs_worker", self.structured_outputs_worker, ("process", "inline")),
+            structured_outputs_mask_wait=_check_choice(
+                "structured_outputs_mask_wait", self.structured_outputs_mask_wait,
+                ("device", "host")),
         )
 
     @classmethod

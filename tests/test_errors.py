@@ -223,6 +223,8 @@ BAD_ENGINE: list[tuple[dict[str, Any], list[str], str]] = [
      "structured_outputs_threads must be a positive integer, got 0"),
     ({"structured_outputs_worker": "thread"}, ["--structured-outputs-worker", "thread"],
      "structured_outputs_worker must be one of process, inline; got 'thread'"),
+    ({"structured_outputs_mask_wait": "gpu"}, ["--structured-outputs-mask-wait", "gpu"],
+     "structured_outputs_mask_wait must be one of device, host; got 'gpu'"),
     ({"attention_backend": "nope"}, ["--attention-backend", "nope"],
      "unknown attention_backend 'nope'; available: auto, torch, triton"),
 ]

@@ -413,6 +413,49 @@ def test_worker_reports_rejections_and_fills_live_rows(llm: LLM) -> None:
     assert torch.equal(mask.bits[0], expected[0]) and not (mask.bits[0] == -1).all()
 
 
+def test_worker_fence_words_follow_jobs(llm: LLM) -> None:
+    """Each job sets its mask buffer's fence word to the job's number once it is done, also when
+    it failed (the GPU waits on that word), and a dead worker's words are set by the engine side
+    so a GPU waiting on them would go on. (On CPU nothing waits on them: device_fence is None.)"""
+    from photon.structured.worker import ProcessExecutor
+
+    manager = llm.engine.structured
+    executor = manager.executor
+    assert isinstance(executor, ProcessExecutor) and executor.device_fence(0) is None
+    grammar = _ready(manager.request_grammar(SO(regex="[a-z]+")))
+    tok = llm.engine.tokenizer.encode("a")[0]
+    for index in (0, 1, 1, 0):
+        grammar.note_token(tok)
+        manager.submit([(grammar, tok)], [], None, index)
+        assert manager.wait() == []
+        assert int(executor.fences[index]) == executor.fence_values[index] > 0
+    executor.submit([], [(0, 10_000)], None, 1)  # a matcher slot that does not exist
+    with pytest.raises(RuntimeError, match="grammar worker: KeyError"):
+        executor.wait()
+    assert int(executor.fences[1]) == executor.fence_values[1]
+    assert executor.fence_values[1] > executor.fence_values[0]
+
+
+def test_dead_worker_releases_fences() -> None:
+    """A worker that dies with a job queued: the engine side sets the job's fence word."""
+    import signal
+
+    from photon.structured.worker import ProcessExecutor
+
+    llm = LLM(max_model_len=256, max_num_seqs=4)
+    executor = llm.engine.structured.executor
+    assert isinstance(executor, ProcessExecutor)
+    assert llm.engine.structured.start(wait_s=120)
+    executor.proc.send_signal(signal.SIGSTOP)  # the job below is queued, never run
+    executor.submit([], [], None, 0)
+    executor.proc.kill()
+    executor.proc.wait()
+    assert list(executor.fences) == [0, 0] and executor.fence_values == [1, 0]
+    with pytest.raises(RuntimeError, match="the grammar worker died"):
+        executor.wait()
+    assert list(executor.fences) == [1, 0]
+
+
 def test_grammar_worker_lifecycle() -> None:
     """The worker process starts with the first grammar; a dropped engine ends it (no reference
     cycle keeps the executor alive), shutdown() ends it at once, and once it died a new grammar

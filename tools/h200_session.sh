@@ -40,6 +40,15 @@ for step in "${steps[@]}"; do
           --schema $schema --output-json "$OUT/structured_qwen_$schema.json" 2>&1 | grep -v '^{' \
           | tee -a "$log"
       done ;;
+    structured_wait)  # who waits for the masks: the GPU (default) or the engine thread, same machine
+      for schema in records records-no-ranges; do
+        for wait in device host; do
+          timeout 200 $P bench structured --model-shape qwen3-0.6b --batch-sizes 32 128 \
+            --schema $schema --structured-outputs-mask-wait $wait \
+            --output-json "$OUT/structured_qwen_${schema}_$wait.json" 2>&1 | grep -v '^{' \
+            | tee -a "$log"
+        done
+      done ;;
     structured_threads)  # the records schema with 4 and 8 mask-fill threads (default: 8)
       for threads in 4 8; do
         timeout 200 $P bench structured --model-shape qwen3-0.6b --batch-sizes 32 128 \

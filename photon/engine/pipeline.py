@@ -2,16 +2,19 @@
 
 Pipelined (depth 2), one call of `step()` is one iteration:
   1. launch(t+1)    enqueue the forward of the step planned and staged last iteration
-  2. commit(t)      wait for step t's tokens (the only host sync); submit the step's grammar job
-                    (the matchers accept token t, then fill the masks of t+1: in the grammar
-                    worker); append, stop checks, finalize the finished requests
+  2. commit(t)      collect the last grammar job; wait for step t's tokens (the only host sync);
+                    submit this step's grammar job (the matchers accept token t, then fill the
+                    masks of t+1: in the grammar worker); append, stop checks, finalize the
+                    finished requests
   3. plan(t+2)      the scheduler builds the next batch, assuming every running request
                     continues, and the runner stages its inputs into the free slot (host only)
-  4. finalize(t+1)  wait for the grammar job; sample t+1 with the state committed at t; enqueue
-                    the D2H copy
+  4. finalize(t+1)  sample t+1 with the state committed at t, its masks fenced on the grammar job
+                    (on CUDA the GPU waits for the worker's fence word; otherwise the host waits
+                    for the job here); enqueue the D2H copy
 The GPU runs forward t+1 while the host commits t and plans t+2, and the grammar job runs beside
 both. Planning t+2 before finalizing t+1 changes nothing plan reads: finalize only enqueues device
-work. A grammar that rejected its token (an engine bug) aborts its request once the job is done.
+work. A grammar that rejected its token (an engine bug) aborts its request when the job is
+collected: by the next commit, before that commit's tokens count.
 Blocking (depth 1): plan, launch, finalize and commit each step in turn: the A/B baseline and the
 test oracle.
 """
@@ -34,6 +37,7 @@ class Pipeline:
         self.depth = depth
         self.inflight: deque[StepHandle] = deque()  # finalized, not yet committed
         self.staged: PreparedStep | None = None  # planned and staged, not yet launched
+        self._job_accepts: list[tuple[Request, int]] = []  # the grammar job in flight accepts these
 
     def step(self) -> list[Request]:
         """Run one iteration; return the requests that received tokens or were finalized."""
@@ -45,21 +49,28 @@ class Pipeline:
         self.staged = None
         touched: list[Request] = []
         committing = self.inflight.popleft() if self.inflight else None
-        accepts: list[tuple[Request, int]] = []
         if committing is not None:
-            tokens = self.runner.wait(committing)
-            accepts = self._grammar_accepts(committing, tokens)
-            self.runner.begin_grammar_step([(r.grammar, t) for r, t in accepts], handle)
-            touched += self.scheduler.commit(committing.rows, tokens)
+            touched += self._commit(committing, handle)
         if handle is not None:
             self.staged = self._plan()
-        touched += self._end_grammar_step(accepts)
-        if handle is not None:
             self.runner.finalize(handle)
             self.inflight.append(handle)
-        elif committing is None and self.scheduler.has_unfinished():
-            raise RuntimeError("engine made no progress: nothing schedulable and nothing in flight")
+        else:
+            touched += self._end_grammar_step()  # nothing samples next: collect the job now
+            if committing is None and self.scheduler.has_unfinished():
+                raise RuntimeError("engine made no progress: nothing schedulable and nothing "
+                                   "in flight")
         return touched
+
+    def _commit(self, committing: StepHandle, handle: StepHandle | None) -> list[Request]:
+        """commit(t): the grammar job of the last iteration ends first (its fills were for
+        step t, whose tokens are awaited next, so this costs no wait); then step t's tokens,
+        the job of this iteration (their accepts, the fills of `handle`), the bookkeeping."""
+        touched = self._end_grammar_step()
+        tokens = self.runner.wait(committing)
+        self._job_accepts = self._grammar_accepts(committing, tokens)
+        self.runner.begin_grammar_step([(r.grammar, t) for r, t in self._job_accepts], handle)
+        return touched + self.scheduler.commit(committing.rows, tokens)
 
     def _step_blocking(self) -> list[Request]:
         assert self.staged is None, "switch the depth only while the pipeline is idle"
@@ -70,10 +81,7 @@ class Pipeline:
             return []
         handle = self.runner.launch(prep)
         self.runner.finalize(handle)
-        tokens = self.runner.wait(handle)
-        accepts = self._grammar_accepts(handle, tokens)
-        self.runner.begin_grammar_step([(r.grammar, t) for r, t in accepts], None)
-        return self.scheduler.commit(handle.rows, tokens) + self._end_grammar_step(accepts)
+        return self._commit(handle, None) + self._end_grammar_step()
 
     def _plan(self) -> PreparedStep | None:
         plan = self.scheduler.plan()
@@ -85,7 +93,9 @@ class Pipeline:
             return []
         return self.scheduler.grammar_accepts(handle.rows, tokens)
 
-    def _end_grammar_step(self, accepts: list[tuple[Request, int]]) -> list[Request]:
+    def _end_grammar_step(self) -> list[Request]:
+        """Collect the grammar job in flight; abort the requests whose token it rejected."""
+        accepts, self._job_accepts = self._job_accepts, []
         rejected = set(map(id, self.runner.end_grammar_step()))
         if not rejected:
             return []

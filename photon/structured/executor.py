@@ -1,8 +1,11 @@
 """Where grammar matchers live and a step's accepts and mask fill run.
 
 A step's grammar work is one job: the matchers accept step t's committed tokens, then fill the
-masks of step t+1's rows. The engine `submit`s it right after commit(t)'s wait and `wait`s for it in
-finalize(t+1); in between it appends tokens, checks stops and plans t+2.
+masks of step t+1's rows. The engine `submit`s it right after commit(t)'s wait, appends tokens,
+checks stops and plans t+2; finalize(t+1) then either makes the GPU wait for the job's
+`device_fence` (the grammar worker on CUDA: the engine thread does not wait at all) or `wait`s for
+it on the host. The job's result (rejected tokens) is collected with `wait` by commit(t+1) at the
+latest.
 
 - `InlineExecutor` runs the job at `submit`, on the engine thread (no overlap).
 - `ProcessExecutor` (photon.structured.worker) runs it in a grammar-worker process, beside the
@@ -52,6 +55,11 @@ class GrammarExecutor(Protocol):
         """Accept each (handle, token), then fill `mask.bits` (a view of `mask_buffer(index)`)
         row j from handle for each (j, handle): see `run_job`."""
 
+    def device_fence(self, index: int) -> tuple[int, int] | None:
+        """(host address, value): a page-locked int32 word that reaches the value once the job
+        last submitted for mask buffer `index` is done (the GPU can wait on it instead of the
+        engine thread: photon.worker.stream_wait). None where only `wait` can tell."""
+
     def wait(self) -> list[int]:
         """Until the submitted job is done; the indices into its `accepts` that were rejected."""
 
@@ -100,6 +108,9 @@ class InlineExecutor:
         self._rejected = run_job(self.backend, accepts, fills,
                                  mask.bits if mask is not None else None)
         self.busy_s += time.perf_counter() - start
+
+    def device_fence(self, index: int) -> tuple[int, int] | None:
+        return None  # the job ran in submit
 
     def wait(self) -> list[int]:
         rejected, self._rejected = self._rejected, []

@@ -10,12 +10,15 @@ Messages, in order on one socket (engine -> worker):
   ("forget", key)          the engine's cache dropped it
   ("open", slot, key)      a matcher at the start of grammar `key`, addressed by `slot`
   ("close", slot)
-  ("step", n_accept, n_fill, buffer, rows, words)
+  ("step", n_accept, n_fill, buffer, rows, words, seq)
                            accept tokens[i] on slots[i] for i < n_accept, then fill mask rows
-                           fill_rows[i] of buffer `buffer` ([rows, words] bits) from fill_slots[i]
+                           fill_rows[i] of buffer `buffer` ([rows, words] bits) from fill_slots[i],
+                           then set the buffer's fence word to `seq` (also when the step failed)
 worker -> engine: ("ready",) once after start-up; ("done", n_rejected, seconds) per step (the
 rejected accept indices in shared memory; the job's time); ("error", text) when a step failed.
-The engine waits for "done" in finalize(t+1); everything it sent before a step is handled first.
+On CUDA the GPU waits for the fence word before copying the masks (photon.worker.slots), so the
+engine thread never waits for a fill; it reads "done" by its next commit. Everything the engine
+sent before a step is handled first, and steps run in order.
 """
 
 from __future__ import annotations
@@ -42,11 +45,12 @@ from photon.structured.bitmask import TokenMask, mask_numel
 from photon.structured.executor import run_job
 from photon.tokenizer import Tokenizer
 
-ARRAYS = ("acc_slot", "acc_tok", "fill_row", "fill_slot", "rejected")
+ARRAYS = ("acc_slot", "acc_tok", "fill_row", "fill_slot", "rejected", "fence")
 
 
 class SharedLayout:
-    """Offsets (in int32 words) of the shared file: five row arrays, then two mask buffers."""
+    """Offsets (in int32 words) of the shared file: six row arrays (`fence` uses two words: one
+    per mask buffer), then two mask buffers."""
 
     def __init__(self, max_rows: int, words: int) -> None:
         self.max_rows = max_rows
@@ -76,7 +80,10 @@ class ProcessExecutor:
         os.ftruncate(self._file.fileno(), self.layout.nbytes)
         self._mem = mmap.mmap(self._file.fileno(), self.layout.nbytes)
         self.arrays, self._masks = self.layout.views(self._mem)
-        self._registered = _cuda_register(self._masks[0], 2 * self.layout.mask_numel) \
+        self.fences = self.arrays["fence"][:2].view(np.uint32)
+        self.fence_values = [0, 0]  # per mask buffer: the number of the last job that fills it
+        self._seq = 0
+        self._registered = _cuda_register(self.arrays["acc_slot"], self.layout.nbytes) \
             if cuda else False
         # The tokenizer goes by file (pickled: its JSON), not by the socket: a send that large
         # would block until the worker finished importing. The model directory may be gone.
@@ -125,7 +132,7 @@ class ProcessExecutor:
     def _expect(self, kind: str) -> tuple:
         try:
             msg = self.conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # closed, or reset with our message unread
             raise RuntimeError("the grammar worker died") from None
         if msg[0] == "error":
             raise RuntimeError(f"grammar worker: {msg[1]}")
@@ -162,23 +169,40 @@ class ProcessExecutor:
             a["fill_row"][:m] = [j for j, _ in fills]
             a["fill_slot"][:m] = [h for _, h in fills]
         rows, words = mask.bits.shape if mask is not None else (0, 0)
-        self._send(("step", n, m, index, rows, words))
+        seq = (self._seq + 1) & 0xFFFFFFFF
+        self._send(("step", n, m, index, rows, words, seq))
+        self._seq = self.fence_values[index] = seq
         self._pending += 1
+
+    def device_fence(self, index: int) -> tuple[int, int] | None:
+        if not self._registered:
+            return None
+        return self.fences.ctypes.data + 4 * index, self.fence_values[index]
 
     def wait(self) -> list[int]:
         if not self._pending:
             return []
         self._pending -= 1
         _spin_until_readable(self.conn, self.spin_s)
-        _, n, busy_s = self._expect("done")
+        try:
+            _, n, busy_s = self._expect("done")
+        except RuntimeError:
+            self._release_fences()
+            raise
         self.busy_s += busy_s
         return self.arrays["rejected"][:n].tolist()
+
+    def _release_fences(self) -> None:
+        """Set the fence words from this side: a GPU waiting for a worker that died (or is being
+        stopped) must not wait forever. The masks are garbage then; their requests fail."""
+        self.fences[:] = self.fence_values
 
     def shutdown(self) -> None:
         with self._send_lock:
             self._finalizer()
+        self._release_fences()
         if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self._masks[0].data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(self.arrays["acc_slot"].ctypes.data)
             self._registered = False
 
 
@@ -210,12 +234,16 @@ def _unlinked_temp_fd() -> int:
     return os.dup(f.fileno())
 
 
-def _cuda_register(head: torch.Tensor, numel: int) -> bool:
-    """Page-lock the mask buffers so their H2D copies are asynchronous (torch then treats the
-    memory as pinned)."""
-    err = torch.cuda.cudart().cudaHostRegister(head.data_ptr(), 4 * numel, 0)
+CUDA_HOST_REGISTER_MAPPED = 2
+
+
+def _cuda_register(head: np.ndarray, nbytes: int) -> bool:
+    """Page-lock the shared file, mapped into the device's address space: the masks' H2D copies
+    are asynchronous (torch treats the memory as pinned) and the GPU can wait on the fence words."""
+    err = torch.cuda.cudart().cudaHostRegister(head.ctypes.data, nbytes,
+                                               CUDA_HOST_REGISTER_MAPPED)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of the grammar masks failed ({err})")
+        raise RuntimeError(f"cudaHostRegister of the grammar worker's shared memory failed ({err})")
     return True
 
 
@@ -228,6 +256,7 @@ class Worker:
         layout = SharedLayout(ns.max_rows, ns.words)
         self._mem = mmap.mmap(ns.mem, layout.nbytes)
         self.arrays, self.masks = layout.views(self._mem)
+        self.fences = self.arrays["fence"][:2].view(np.uint32)
         with os.fdopen(ns.init, "rb") as f:
             tokenizer = pickle.load(f)  # written by this package's engine: trusted
         self.backend = create_backend(ns.backend, tokenizer, ns.vocab_size, ns.threads)
@@ -256,7 +285,14 @@ class Worker:
             elif kind == "close":
                 self.matchers.pop(msg[1], None)
 
-    def _step(self, n: int, m: int, index: int, rows: int, words: int) -> tuple:
+    def _step(self, n: int, m: int, index: int, rows: int, words: int, seq: int) -> tuple:
+        try:
+            return self._run_step(n, m, index, rows, words)
+        finally:
+            # After the masks (and the rejected indices): the GPU copies them once it sees this.
+            self.fences[index] = seq
+
+    def _run_step(self, n: int, m: int, index: int, rows: int, words: int) -> tuple:
         start = time.perf_counter()
         try:
             a = self.arrays

@@ -88,7 +88,8 @@ class ModelRunner:
         self.num_pool_rows = num_pool_rows
         self.row_state = RowState(num_pool_rows, math.ceil(self.pool_width / self.block_size))
         self.free_pool_rows = list(range(num_pool_rows - 1, -1, -1))
-        self.streams = Streams(self.device)
+        self.streams = Streams(self.device,
+                               device_waits=config.structured_outputs_mask_wait == "device")
         tokens = config.scheduler.max_num_batched_tokens
         # Backends cover at most the model's vocabulary: the widest masks a step can have.
         mask_size = mask_numel(max_seqs, bitmask_width(mc.vocab_size))
@@ -97,7 +98,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.step_count = 0
         self.grammar_wait_s = 0.0  # engine-thread time waiting for grammar jobs (bench structured)
-        self._grammar_pending = False
+        self._grammar_pending = False  # a job was submitted and its result not collected yet
+        self._grammar_rejected: list[RequestGrammar] = []  # collected, not yet handed on
         self.probe: StepProbe | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -222,6 +224,7 @@ class ModelRunner:
         """Submit one grammar job: the matchers accept commit(t)'s tokens, then fill the masks of
         `h`'s grammar rows (step t+1). The pipelined loop calls it right after commit(t)'s wait;
         the job runs (in the grammar worker) while the engine thread appends and plans."""
+        assert not self._grammar_pending, "a grammar job was submitted before the last one ended"
         for grammar, token_id in accepts:
             grammar.note_token(token_id)  # before the fills' check that every token was handed on
         fills: list[tuple[int, RequestGrammar]] = []
@@ -238,14 +241,19 @@ class ModelRunner:
             self._grammar_pending = True
 
     def end_grammar_step(self) -> list[RequestGrammar]:
-        """Wait for the submitted grammar job; the grammars that rejected their token."""
+        """Wait for the submitted grammar job if finalize did not; the grammars that rejected
+        their token in the jobs collected since the last call."""
+        self._collect_grammar_job()
+        rejected, self._grammar_rejected = self._grammar_rejected, []
+        return rejected
+
+    def _collect_grammar_job(self) -> None:
         if not self._grammar_pending:
-            return []
+            return
         self._grammar_pending = False
         start = time.perf_counter()
-        rejected = self.structured.wait()
+        self._grammar_rejected += self.structured.wait()
         self.grammar_wait_s += time.perf_counter() - start
-        return rejected
 
     def _grammar_bitmask(self, h: StepHandle) -> TokenMask | None:
         """The step's masks on the device (their fill done), H2D enqueued. None for steps without
@@ -254,11 +262,16 @@ class ModelRunner:
             return None
         if not h.masks_started:  # blocking loop, or the first step: fill now
             self.begin_grammar_step([], h)
-            self.end_grammar_step()
-        assert not self._grammar_pending, "finalize before the grammar job was waited for"
+        executor = self.structured.executor
+        fence = None
+        if self._grammar_pending and self.streams.word_wait is not None:
+            fence = executor.device_fence(h.slot.index)
+        if fence is None:
+            self._collect_grammar_job()
         n, words = h.num_sampled, self.structured.backend.mask_words
-        host = self.structured.executor.mask_buffer(h.slot.index, mask_numel(n, words))
-        return mask_views(h.slot.upload_mask(self.streams, host, mask_numel(n, words)), n, words)
+        host = executor.mask_buffer(h.slot.index, mask_numel(n, words))
+        return mask_views(h.slot.upload_mask(self.streams, host, mask_numel(n, words), fence),
+                          n, words)
 
     def _sampling_batch(self, h: StepHandle) -> SamplingBatch:
         d, f = h.dev, h.arrays.flags

@@ -12,12 +12,19 @@ Fences (CUDA; on CPU every copy is synchronous and every fence a no-op):
                 records S.copy_done
   commit(t):    the host waits S.copy_done: the only host sync of an iteration
 Grammar masks (only in steps where some sampling row has a grammar):
-  commit(t-1):  the grammar executor fills mask buffer S (page-locked host memory: pinned, or
-                the grammar worker's shared memory registered with CUDA) from the matchers
-  finalize(t):  once that job is done: copy stream: H2D mask buffer S -> S.mask_dev, record
-                S.mask_ready; compute stream waits S.mask_ready before sampling. Both buffers
-                are free again at t+2 for the same reason as S.dev_*: commit(t) waited
-                S.copy_done, recorded after this H2D and after S.sampled.
+  commit(t-1):  the grammar job (accepts of t-1, then the fill of mask buffer S) is submitted; the
+                buffer is page-locked host memory: pinned, or the grammar worker's shared memory
+                registered with CUDA
+  finalize(t):  mask stream: [wait until the worker's fence word for S reaches the job's number
+                (cuStreamWaitValue32: the GPU waits, not the engine thread)], H2D mask buffer S
+                -> S.mask_dev, record S.mask_ready; compute stream waits S.mask_ready before
+                sampling. Without a device wait (CPU, inline jobs, `--structured-outputs-mask-wait
+                host`) the host waits for the job before this H2D instead. The worker writes the
+                fence word after the masks and jobs finish in order, so a word at or past the
+                job's number means this job's masks are in S; the job was submitted after
+                commit(t-2) waited for the sampling that read S's previous masks.
+                Both buffers are free again at t+2 for the same reason as S.dev_*: commit(t)
+                waited S.copy_done, recorded after S.sampled, which followed S.mask_ready.
 Reuse of S at t+2 is safe: commit(t) waited S.copy_done, which the copy stream recorded after the
 H2D of step t and after the compute stream's S.sampled (so forward t no longer reads S.dev_*).
 """
@@ -29,15 +36,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from photon.worker.stream_wait import HostWordWait
+
 
 class Streams:
-    """The compute and copy streams of one device (None on CPU: everything runs in order)."""
+    """The compute, copy and mask streams of one device (None on CPU: everything runs in order).
+    Masks get their own stream: its device wait for the grammar worker must never hold up the
+    copy stream's D2H of sampled tokens or H2D of step inputs."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, device_waits: bool = False) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.compute = torch.cuda.current_stream(device) if self.cuda else None
         self.copy = torch.cuda.Stream(device) if self.cuda else None
+        self.mask = torch.cuda.Stream(device) if self.cuda else None
+        # Whether the mask stream can wait for a host word on the device (see module docstring).
+        self.word_wait = HostWordWait.create(device) if device_waits else None
 
     def event(self) -> torch.cuda.Event | None:
         return torch.cuda.Event() if self.cuda else None
@@ -124,12 +138,16 @@ class StepSlot:
                 self.h2d_done.record()
             streams.compute.wait_event(self.h2d_done)
 
-    def upload_mask(self, streams: Streams, host: torch.Tensor, numel: int) -> torch.Tensor:
-        """H2D of the head of `host` (page-locked) on the copy stream, fenced for the compute
-        stream; on CPU, `host` itself."""
+    def upload_mask(self, streams: Streams, host: torch.Tensor, numel: int,
+                    fence: tuple[int, int] | None = None) -> torch.Tensor:
+        """H2D of the head of `host` (page-locked) on the mask stream, fenced for the compute
+        stream; with `fence` (host address of a word, value), only once the word reaches the
+        value. On CPU, `host` itself."""
         if not streams.cuda:
             return host
-        with torch.cuda.stream(streams.copy):
+        with torch.cuda.stream(streams.mask):
+            if fence is not None:
+                streams.word_wait.enqueue(streams.mask, *fence)
             self.mask_dev[:numel].copy_(host[:numel], non_blocking=True)
             self.mask_ready.record()
         streams.compute.wait_event(self.mask_ready)

@@ -29,11 +29,84 @@ SCHEMA = {"type": "object", "properties": {
 
 
 def test_grammar_pipelined_equals_blocking_cuda() -> None:
+    """Blocking, pipelined with the GPU waiting for the grammar worker (default), and pipelined
+    with the engine thread waiting for it: the same tokens."""
     specs = _specs()
     kw = {**KW, "num_gpu_blocks_override": 40}  # the CPU test's cache: one 120-token request fits
     blocking, _ = run(LLM(pipelined=False, **kw), specs)
-    pipelined, _ = run(LLM(pipelined=True, **kw), specs)
+    llm = LLM(pipelined=True, **kw)
+    assert llm.engine.runner.streams.word_wait is not None
+    pipelined, _ = run(llm, specs)
+    host_waits, _ = run(LLM(pipelined=True, structured_outputs_mask_wait="host", **kw), specs)
     assert pipelined == blocking
+    assert host_waits == blocking
+
+
+def test_engine_thread_never_waits_for_masks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the grammar worker on CUDA, finalize enqueues the masks behind the worker's fence
+    word and returns: every job is collected at the next commit, none inside finalize."""
+    llm = LLM(pipelined=True, **{**KW, "num_gpu_blocks_override": 40})
+    runner, manager = llm.engine.runner, llm.engine.structured
+    where = {"finalize": 0, "elsewhere": 0}
+    inside = {"now": False}
+    real_finalize, real_wait = runner.finalize, manager.wait
+
+    def finalize(h: object) -> None:
+        inside["now"] = True
+        try:
+            real_finalize(h)
+        finally:
+            inside["now"] = False
+
+    def wait() -> list:
+        where["finalize" if inside["now"] else "elsewhere"] += 1
+        return real_wait()
+
+    monkeypatch.setattr(runner, "finalize", finalize)
+    monkeypatch.setattr(manager, "wait", wait)
+    specs = _specs()
+    outs, _ = run(llm, specs)
+    assert where["finalize"] == 0 and where["elsewhere"] > 20
+    assert len(outs) == len(specs)
+
+
+def test_stream_waits_for_host_word_on_device() -> None:
+    """cuStreamWaitValue32 on a word of registered shared memory: a copy queued behind it runs
+    only once the host writes a value at or past the awaited one."""
+    import mmap
+    import time
+
+    import numpy as np
+
+    from photon.structured.worker import _cuda_register
+    from photon.worker.stream_wait import HostWordWait
+
+    mem = mmap.mmap(-1, 4096)
+    words = np.frombuffer(mem, dtype=np.uint32)
+    assert _cuda_register(words, 4096)
+    try:
+        wait = HostWordWait.create(torch.device("cuda"))
+        assert wait is not None
+        stream = torch.cuda.Stream()
+        src = torch.arange(1024, device="cuda", dtype=torch.int32)
+        dst = torch.zeros_like(src)
+        done = torch.cuda.Event()
+        wait.enqueue(stream, words.ctypes.data + 4, 5)
+        with torch.cuda.stream(stream):
+            dst.copy_(src)
+            done.record()
+        time.sleep(0.2)
+        assert not done.query()
+        words[1] = 4
+        time.sleep(0.2)
+        assert not done.query() and int(dst.sum()) == 0
+        words[1] = 7
+        done.synchronize()
+        assert torch.equal(dst, src)
+    finally:
+        words[1] = 1000  # never leave the GPU waiting
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(words.ctypes.data)
 
 
 def test_grammar_batch_no_hidden_sync(sync_debug_error: list[int]) -> None:  # noqa: F811
