@@ -29,6 +29,7 @@ ALLOW_ALL = -1
 class TokenMask:
     bits: torch.Tensor  # [R, W] int32
     tail: torch.Tensor  # [R] int32
+    flat: torch.Tensor | None = None  # both, and the padding between them: one copy moves all
 
     @property
     def numel(self) -> int:
@@ -47,7 +48,7 @@ def mask_views(flat: torch.Tensor, rows: int, words: int) -> TokenMask:
     """The layout above over the head of a flat int32 buffer (host or device)."""
     bits = flat[:rows * words].view(rows, words)
     tail = _tail_offset(rows, words)
-    return TokenMask(bits, flat[tail:tail + rows])
+    return TokenMask(bits, flat[tail:tail + rows], flat[:tail + rows])
 
 
 def grammar_rows(rows: list[ScheduledRow], mask: TokenMask) -> list[tuple[int, Any]]:

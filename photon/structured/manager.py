@@ -147,6 +147,7 @@ class RequestGrammar:
         self.num_sent = 0  # committed tokens handed to the matcher (the fill checks it)
         self.terminated = False  # its stop token was committed: no more tokens
         self.rejected = False  # the matcher refused a committed token (an engine bug)
+        self._stops = manager.backend.stop_token_ids  # note_token runs per token: no lock there
 
     def poll(self) -> bool:
         """True once the matcher is ready; False while compiling (or while the grammar worker
@@ -177,7 +178,7 @@ class RequestGrammar:
         its grammar may end and is terminated exactly then, so the end is known here, without
         waiting for the accept (a rejected token aborts the request anyway)."""
         self.num_sent += 1
-        self.terminated = token_id in self.manager.backend.stop_token_ids
+        self.terminated = token_id in self._stops
 
     def release(self) -> None:
         """The sequence is done and no job refers to its matcher any more."""

@@ -75,16 +75,11 @@ class ProcessExecutor:
                  max_rows: int, words: int, cuda: bool) -> None:
         self.layout = SharedLayout(max_rows, words)
         self.spin_s = SPIN_S if cuda else 0.0
-        self._file = os.fdopen(os.memfd_create("photon-grammar") if hasattr(os, "memfd_create")
-                               else _unlinked_temp_fd(), "r+b", buffering=0)
-        os.ftruncate(self._file.fileno(), self.layout.nbytes)
-        self._mem = mmap.mmap(self._file.fileno(), self.layout.nbytes)
-        self.arrays, self._masks = self.layout.views(self._mem)
-        self.fences = self.arrays["fence"][:2].view(np.uint32)
-        self.fence_values = [0, 0]  # per mask buffer: the number of the last job that fills it
+        self.shared = SharedFile(self.layout, cuda)
+        self.arrays, self._masks = self.shared.arrays, self.shared.masks
+        self.fences = self.shared.fences
+        self.fence_values = self.shared.fence_values  # one list: the finalizer releases them
         self._seq = 0
-        self._registered = _cuda_register(self.arrays["acc_slot"], self.layout.nbytes) \
-            if cuda else False
         # The tokenizer goes by file (pickled: its JSON), not by the socket: a send that large
         # would block until the worker finished importing. The model directory may be gone.
         init = tempfile.TemporaryFile()
@@ -92,7 +87,7 @@ class ProcessExecutor:
         init.seek(0)
         ours, theirs = socket.socketpair()
         self.conn = Connection(ours.detach())
-        fds = (theirs.fileno(), self._file.fileno(), init.fileno())
+        fds = (theirs.fileno(), self.shared.file.fileno(), init.fileno())
         cmd = [sys.executable, "-m", "photon.structured.worker", "--sock", str(fds[0]),
                "--mem", str(fds[1]), "--init", str(fds[2]), "--backend", backend,
                "--vocab-size", str(vocab_size), "--threads", str(threads),
@@ -101,8 +96,9 @@ class ProcessExecutor:
         self.proc = subprocess.Popen(cmd, pass_fds=fds)
         theirs.close()
         init.close()
-        # An engine that is dropped without shutdown() still ends its worker.
-        self._finalizer = weakref.finalize(self, _stop_worker, self.proc, self.conn)
+        # An engine that is dropped without shutdown() still ends its worker (and unregisters
+        # the shared file: see SharedFile.close).
+        self._finalizer = weakref.finalize(self, _stop_worker, self.proc, self.conn, self.shared)
         self._send_lock = threading.Lock()  # compiles are announced from the server's thread too
         self._ready = False
         self.busy_s = 0.0  # the worker's time in step jobs
@@ -175,7 +171,7 @@ class ProcessExecutor:
         self._pending += 1
 
     def device_fence(self, index: int) -> tuple[int, int] | None:
-        if not self._registered:
+        if not self.shared.registered:
             return None
         return self.fences.ctypes.data + 4 * index, self.fence_values[index]
 
@@ -187,23 +183,44 @@ class ProcessExecutor:
         try:
             _, n, busy_s = self._expect("done")
         except RuntimeError:
-            self._release_fences()
+            self.shared.release_fences()
             raise
         self.busy_s += busy_s
         return self.arrays["rejected"][:n].tolist()
 
-    def _release_fences(self) -> None:
+    def shutdown(self) -> None:
+        with self._send_lock:
+            self._finalizer()
+
+
+class SharedFile:
+    """The engine's mapping of the file shared with the worker: the step arrays, the fence
+    words, the mask buffers; on CUDA page-locked and mapped into the device's address space."""
+
+    def __init__(self, layout: SharedLayout, cuda: bool) -> None:
+        self.file = os.fdopen(os.memfd_create("photon-grammar") if hasattr(os, "memfd_create")
+                              else _unlinked_temp_fd(), "r+b", buffering=0)
+        os.ftruncate(self.file.fileno(), layout.nbytes)
+        self.mem = mmap.mmap(self.file.fileno(), layout.nbytes)
+        self.arrays, self.masks = layout.views(self.mem)
+        self.fences = self.arrays["fence"][:2].view(np.uint32)
+        self.fence_values = [0, 0]  # per mask buffer: the number of the last job that fills it
+        self.registered = _cuda_register(self.arrays["acc_slot"], layout.nbytes) if cuda \
+            else False
+
+    def release_fences(self) -> None:
         """Set the fence words from this side: a GPU waiting for a worker that died (or is being
         stopped) must not wait forever. The masks are garbage then; their requests fail."""
         self.fences[:] = self.fence_values
 
-    def shutdown(self) -> None:
-        with self._send_lock:
-            self._finalizer()
-        self._release_fences()
-        if self._registered:
+    def close(self) -> None:
+        """Release the fences and undo the registration while the file is still mapped: a
+        registration outliving its mapping would make a later mapping at the same address fail
+        to register (several engines in one process)."""
+        self.release_fences()
+        if self.registered:
             torch.cuda.cudart().cudaHostUnregister(self.arrays["acc_slot"].ctypes.data)
-            self._registered = False
+            self.registered = False
 
 
 # With a GPU, both ends poll the socket for up to this long after the last message instead of
@@ -220,13 +237,15 @@ def _spin_until_readable(conn: Connection, limit_s: float) -> None:
         pass
 
 
-def _stop_worker(proc: subprocess.Popen, conn: Connection) -> None:
+def _stop_worker(proc: subprocess.Popen, conn: Connection, shared: SharedFile) -> None:
+    shared.release_fences()
     conn.close()  # the worker reads EOF and returns
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+    shared.close()
 
 
 def _unlinked_temp_fd() -> int:

@@ -60,7 +60,7 @@ class StepHandle:
     num_sampled: int = 0
     max_logprobs: int = -1
     marks: StepMarks | None = None  # set only while a StepProbe is attached (benchmarks)
-    masks_started: bool = False  # its grammar-mask fill was submitted (begin_grammar_step)
+    masks: TokenMask | None = None  # host views of its grammar masks, once their job was submitted
 
 
 class ModelRunner:
@@ -231,10 +231,9 @@ class ModelRunner:
         mask = None
         if h is not None and h.arrays.flags["any_grammar"]:
             assert self.structured is not None, "a grammar row reached a runner without grammars"
-            h.masks_started = True
             n, words = h.num_sampled, self.structured.backend.mask_words
             host = self.structured.executor.mask_buffer(h.slot.index, mask_numel(n, words))
-            mask = mask_views(host, n, words)
+            mask = h.masks = mask_views(host, n, words)
             fills = grammar_rows([h.rows[i] for i in h.arrays.sample_rows], mask)
         if accepts or fills:
             self.structured.submit(accepts, fills, mask, h.slot.index if h is not None else 0)
@@ -260,18 +259,15 @@ class ModelRunner:
         a grammar row (a host flag): plain steps pay nothing."""
         if not h.arrays.flags["any_grammar"]:
             return None
-        if not h.masks_started:  # blocking loop, or the first step: fill now
+        if h.masks is None:  # blocking loop, or the first step: fill now
             self.begin_grammar_step([], h)
-        executor = self.structured.executor
         fence = None
         if self._grammar_pending and self.streams.word_wait is not None:
-            fence = executor.device_fence(h.slot.index)
+            fence = self.structured.executor.device_fence(h.slot.index)
         if fence is None:
             self._collect_grammar_job()
-        n, words = h.num_sampled, self.structured.backend.mask_words
-        host = executor.mask_buffer(h.slot.index, mask_numel(n, words))
-        return mask_views(h.slot.upload_mask(self.streams, host, mask_numel(n, words), fence),
-                          n, words)
+        rows, words = h.masks.bits.shape
+        return mask_views(h.slot.upload_mask(self.streams, h.masks, fence), rows, words)
 
     def _sampling_batch(self, h: StepHandle) -> SamplingBatch:
         d, f = h.dev, h.arrays.flags

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from photon.structured.bitmask import TokenMask
 from photon.worker.stream_wait import HostWordWait
 
 
@@ -138,18 +139,23 @@ class StepSlot:
                 self.h2d_done.record()
             streams.compute.wait_event(self.h2d_done)
 
-    def upload_mask(self, streams: Streams, host: torch.Tensor, numel: int,
+    def upload_mask(self, streams: Streams, mask: TokenMask,
                     fence: tuple[int, int] | None = None) -> torch.Tensor:
-        """H2D of the head of `host` (page-locked) on the mask stream, fenced for the compute
+        """H2D of `mask.flat` (page-locked host memory) on the mask stream, fenced for the compute
         stream; with `fence` (host address of a word, value), only once the word reaches the
-        value. On CPU, `host` itself."""
+        value (the wait and the copy go straight to the driver: this runs every grammar step on
+        the engine thread). On CPU, `mask.flat` itself."""
+        host = mask.flat
         if not streams.cuda:
             return host
-        with torch.cuda.stream(streams.mask):
-            if fence is not None:
-                streams.word_wait.enqueue(streams.mask, *fence)
-            self.mask_dev[:numel].copy_(host[:numel], non_blocking=True)
-            self.mask_ready.record()
+        numel = host.numel()
+        if fence is not None:
+            streams.word_wait.copy_after(streams.mask, *fence, self.mask_dev.data_ptr(),
+                                         host.data_ptr(), 4 * numel)
+        else:
+            with torch.cuda.stream(streams.mask):
+                self.mask_dev[:numel].copy_(host, non_blocking=True)
+        self.mask_ready.record(streams.mask)
         streams.compute.wait_event(self.mask_ready)
         return self.mask_dev
 

@@ -28,6 +28,9 @@ class HostWordWait:
         self._wait = lib.cuStreamWaitValue32_v2
         self._wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         self._wait.restype = ctypes.c_int
+        self._copy = lib.cuMemcpyHtoDAsync_v2
+        self._copy.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        self._copy.restype = ctypes.c_int
         self._same_address = self._attribute(CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM) == 1
         self._pointers: dict[int, int] = {}
 
@@ -73,3 +76,12 @@ class HostWordWait:
         self._check(self._wait(ctypes.c_void_p(stream.cuda_stream), self.device_pointer(host_ptr),
                                value & 0xFFFFFFFF, CU_STREAM_WAIT_VALUE_GEQ),
                     "cuStreamWaitValue32")
+
+    def copy_after(self, stream: torch.cuda.Stream, host_ptr: int, value: int, dst_ptr: int,
+                   src_ptr: int, nbytes: int) -> None:
+        """`enqueue` the wait, then an H2D copy of `nbytes` from page-locked `src_ptr` to device
+        `dst_ptr` on the same stream: the driver's calls directly, without switching torch's
+        current stream (that costs more host time than the copy itself)."""
+        self.enqueue(stream, host_ptr, value)
+        self._check(self._copy(dst_ptr, ctypes.c_void_p(src_ptr), nbytes,
+                               ctypes.c_void_p(stream.cuda_stream)), "cuMemcpyHtoDAsync")
