@@ -49,6 +49,13 @@ for step in "${steps[@]}"; do
             | tee -a "$log"
         done
       done ;;
+    structured_repeat)  # records three times and records-no-ranges once: the spread on one machine
+      for run in r1:records r2:records r3:records r1:records-no-ranges; do
+        round=${run%%:*}; schema=${run#*:}
+        timeout 150 $P bench structured --model-shape qwen3-0.6b --batch-sizes 32 128 \
+          --schema $schema --output-json "$OUT/structured_${schema}_$round.json" 2>&1 \
+          | grep -v '^{' | sed "s/^/$schema $round /" | tee -a "$log"
+      done ;;
     structured_threads)  # the records schema with 4 and 8 mask-fill threads (default: 8)
       for threads in 4 8; do
         timeout 200 $P bench structured --model-shape qwen3-0.6b --batch-sizes 32 128 \
@@ -57,7 +64,7 @@ for step in "${steps[@]}"; do
           | tee -a "$log"
       done ;;
     gputests_structured)  # the structured-outputs and kernel GPU tests only
-      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda_structured.py \
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda_structured.py \
         tests/test_kernels.py 2>&1 | tail -15 | tee -a "$log" ;;
     profile_structured_gpu)  # compute-stream kernel classes and idle gaps, JSON vs plain batches
       timeout 300 python3 tools/profile_structured_gpu.py --out "$OUT" 2>&1 | tail -8 | cut -c1-1500 \

@@ -219,7 +219,11 @@ class SharedFile:
         to register (several engines in one process)."""
         self.release_fences()
         if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.arrays["acc_slot"].ctypes.data)
+            try:  # no copy may still read the file; at interpreter exit CUDA may be gone already
+                torch.cuda.synchronize()
+                torch.cuda.cudart().cudaHostUnregister(self.arrays["acc_slot"].ctypes.data)
+            except RuntimeError:
+                pass
             self.registered = False
 
 
