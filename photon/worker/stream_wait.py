@@ -13,6 +13,7 @@ driver or the device lacks it, and callers then wait on the host instead.
 from __future__ import annotations
 
 import ctypes
+import platform
 
 import torch
 
@@ -36,8 +37,11 @@ class HostWordWait:
 
     @classmethod
     def create(cls, device: torch.device) -> HostWordWait | None:
-        """The driver's entry points, or None (not Linux, an old driver, no CUDA device)."""
-        if device.type != "cuda":
+        """The driver's entry points, or None (not Linux, an old driver, no CUDA device, or a
+        host whose stores another agent may see out of order: the worker writes the masks, then
+        the word, with plain stores, which x86-64 keeps in order and weaker-ordered CPUs such as
+        aarch64 need barriers for)."""
+        if device.type != "cuda" or platform.machine().lower() not in ("x86_64", "amd64"):
             return None
         try:
             lib = ctypes.CDLL("libcuda.so.1")
