@@ -456,6 +456,45 @@ def test_dead_worker_releases_fences() -> None:
     assert list(executor.fences) == [1, 0]
 
 
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_worker_death_mid_run_fails_only_grammar_requests(pipelined: bool) -> None:
+    """The grammar worker is killed while grammar and plain requests decode together: the
+    grammar requests end with "abort" and a clear error, the plain ones finish untouched, every
+    block and row is freed, and the engine serves plain requests afterwards."""
+    import signal
+
+    core = LLM(max_model_len=256, max_num_seqs=8, pipelined=pipelined).engine
+    assert core.structured.start(wait_s=120)
+    spec = SO(json=SCHEMAS[0])
+    for i in range(2):
+        core.add_request(f"g{i}", SamplingParams(temperature=1.0, seed=i, max_tokens=60,
+                                                 structured_outputs=spec), request_id=f"g{i}")
+        core.add_request(f"p{i}", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                         request_id=f"p{i}")
+    final: dict = {}
+    for _ in range(6):
+        final |= {o.request_id: o for o in core.step() if o.finished}
+    assert not final  # everything still decoding
+    core.structured.executor.proc.send_signal(signal.SIGKILL)
+    while core.has_unfinished():
+        final |= {o.request_id: o for o in core.step() if o.finished}
+    for i in range(2):
+        g, p = final[f"g{i}"], final[f"p{i}"]
+        assert g.outputs[0].finish_reason == "abort"
+        assert "structured outputs are unavailable" in g.error
+        assert p.error is None and p.outputs[0].finish_reason == "length"
+        alone = LLM(max_model_len=256, max_num_seqs=8).generate(
+            [f"p{i}"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+            use_tqdm=False)[0]
+        assert p.outputs[0].token_ids == alone.outputs[0].token_ids  # greedy: unchanged
+    core.assert_drained()
+    core.add_request("again", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                     request_id="again")
+    while core.has_unfinished():
+        final |= {o.request_id: o for o in core.step() if o.finished}
+    assert len(final["again"].outputs[0].token_ids) == 5
+
+
 def test_grammar_worker_lifecycle() -> None:
     """The worker process starts with the first grammar; a dropped engine ends it (no reference
     cycle keeps the executor alive), shutdown() ends it at once, and once it died a new grammar

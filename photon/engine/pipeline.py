@@ -94,9 +94,13 @@ class Pipeline:
         return self.scheduler.grammar_accepts(handle.rows, tokens)
 
     def _end_grammar_step(self) -> list[Request]:
-        """Collect the grammar job in flight; abort the requests whose token it rejected."""
+        """Collect the grammar job in flight; abort the requests whose token it rejected, or
+        every grammar request if the grammar executor failed (the engine serves on)."""
         accepts, self._job_accepts = self._job_accepts, []
-        rejected = set(map(id, self.runner.end_grammar_step()))
+        grammars, lost = self.runner.end_grammar_step()
+        if lost is not None:
+            return self.scheduler.fail_grammars(f"structured outputs are unavailable: {lost}")
+        rejected = set(map(id, grammars))
         if not rejected:
             return []
         requests = [r for r, _ in accepts if id(r.grammar) in rejected]

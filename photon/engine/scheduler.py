@@ -243,6 +243,15 @@ class Scheduler:
             else:
                 self.finalize(req, FinishReason.ABORT)
 
+    def fail_grammars(self, error: str) -> list[Request]:
+        """The grammar executor failed (its worker died): no matcher state is left, so every
+        unfinished request with a grammar ends (ABORT, with `error`); the others go on."""
+        failed = [r for r in (*self.running, *self.waiting) if r.grammar is not None]
+        for req in failed:
+            req.error = error
+            self.finalize(req, FinishReason.ABORT)
+        return failed
+
     def _check_stop(self, req: Request, token_id: int, stop_str: str | None) -> FinishReason | None:
         num_out = len(req.output_token_ids)
         if num_out >= req.params.min_tokens:

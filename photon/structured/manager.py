@@ -183,5 +183,8 @@ class RequestGrammar:
     def release(self) -> None:
         """The sequence is done and no job refers to its matcher any more."""
         if self.handle is not None:
-            self.manager.executor.close(self.handle)
+            try:
+                self.manager.executor.close(self.handle)
+            except RuntimeError:
+                pass  # the grammar worker is gone, and its matchers with it
             self.handle = None

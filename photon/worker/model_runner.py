@@ -100,6 +100,7 @@ class ModelRunner:
         self.grammar_wait_s = 0.0  # engine-thread time waiting for grammar jobs (bench structured)
         self._grammar_pending = False  # a job was submitted and its result not collected yet
         self._grammar_rejected: list[RequestGrammar] = []  # collected, not yet handed on
+        self._grammar_lost: str | None = None  # why the executor failed, not yet handed on
         self.probe: StepProbe | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -235,23 +236,33 @@ class ModelRunner:
             host = self.structured.executor.mask_buffer(h.slot.index, mask_numel(n, words))
             mask = h.masks = mask_views(host, n, words)
             fills = grammar_rows([h.rows[i] for i in h.arrays.sample_rows], mask)
-        if accepts or fills:
-            self.structured.submit(accepts, fills, mask, h.slot.index if h is not None else 0)
-            self._grammar_pending = True
+        if (accepts or fills) and self._grammar_lost is None:
+            try:
+                self.structured.submit(accepts, fills, mask, h.slot.index if h is not None else 0)
+                self._grammar_pending = True
+            except RuntimeError as e:
+                self._grammar_lost = str(e)
+        if mask is not None and self._grammar_lost is not None:
+            mask.flat.fill_(-1)  # no matcher fills them: unconstrained (those requests fail)
 
-    def end_grammar_step(self) -> list[RequestGrammar]:
+    def end_grammar_step(self) -> tuple[list[RequestGrammar], str | None]:
         """Wait for the submitted grammar job if finalize did not; the grammars that rejected
-        their token in the jobs collected since the last call."""
+        their token in the jobs collected since the last call, and why the grammar executor
+        failed if it did (then every grammar request must end: `Scheduler.fail_grammars`)."""
         self._collect_grammar_job()
         rejected, self._grammar_rejected = self._grammar_rejected, []
-        return rejected
+        lost, self._grammar_lost = self._grammar_lost, None
+        return rejected, lost
 
     def _collect_grammar_job(self) -> None:
         if not self._grammar_pending:
             return
         self._grammar_pending = False
         start = time.perf_counter()
-        self._grammar_rejected += self.structured.wait()
+        try:
+            self._grammar_rejected += self.structured.wait()
+        except RuntimeError as e:  # the worker died or the job failed: the engine goes on
+            self._grammar_lost = str(e)
         self.grammar_wait_s += time.perf_counter() - start
 
     def _grammar_bitmask(self, h: StepHandle) -> TokenMask | None:
@@ -266,6 +277,8 @@ class ModelRunner:
             fence = self.structured.executor.device_fence(h.slot.index)
         if fence is None:
             self._collect_grammar_job()
+        if self._grammar_lost is not None:
+            h.masks.flat.fill_(-1)  # the job may have written part of them
         rows, words = h.masks.bits.shape
         return mask_views(h.slot.upload_mask(self.streams, h.masks, fence), rows, words)
 
