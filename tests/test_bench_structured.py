@@ -11,7 +11,7 @@ from photon.cli import main
 
 def test_bench_structured_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["bench", "structured", "--model-shape", "tiny", "--batch-sizes", "3",
-               "--max-output-tokens", "300", "--prompt-len", "16"])
+               "--max-output-tokens", "300", "--prompt-len", "16", "--repeats", "3"])
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     (row,) = summary["rows"]
@@ -21,6 +21,11 @@ def test_bench_structured_cpu(capsys: pytest.CaptureFixture[str]) -> None:
         assert row[f"{key}_tok_per_s"] > 0
     assert row["json_pipelined_mask_fill_ms_per_step"] > 0 and summary["schema"] == "records"
     assert row["json_pipelined_finish_reasons"] == {"stop": 3}
+    # Three pipelined pairs; the row is the pair with the median ratio.
+    each = row["pipelined_json_vs_plain_each"]
+    assert len(each) == 3 and row["pipelined_json_vs_plain"] == sorted(each)[1]
+    assert row["pipelined_json_vs_plain"] == pytest.approx(
+        row["json_pipelined_tok_per_s"] / row["plain_pipelined_tok_per_s"])
     # The breakdown: the same lengths take the same steps (+1: the step a grammar's end is
     # committed in flight); plain steps fill no masks; the probe saw forward + sampling time.
     assert 0 <= row["json_pipelined_steps"] - row["plain_pipelined_steps"] <= 1
@@ -40,3 +45,10 @@ def test_bench_structured_named_schema_without_ranges(capsys: pytest.CaptureFixt
     assert rc == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["schema"] == \
         "records-no-ranges"
+
+
+def test_bench_structured_rejects_zero_repeats(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "structured", "--repeats", "0"])
+    assert exit_info.value.code == 2
+    assert "--repeats: must be at least 1, got 0" in capsys.readouterr().err
