@@ -27,6 +27,7 @@ import argparse
 import mmap
 import os
 import pickle
+import select
 import socket
 import subprocess
 import sys
@@ -87,6 +88,7 @@ class ProcessExecutor:
         init.seek(0)
         ours, theirs = socket.socketpair()
         self.conn = Connection(ours.detach())
+        self._readable = SocketPoll(self.conn)
         fds = (theirs.fileno(), self.shared.file.fileno(), init.fileno())
         cmd = [sys.executable, "-m", "photon.structured.worker", "--sock", str(fds[0]),
                "--mem", str(fds[1]), "--init", str(fds[2]), "--backend", backend,
@@ -179,7 +181,7 @@ class ProcessExecutor:
         if not self._pending:
             return []
         self._pending -= 1
-        _spin_until_readable(self.conn, self.spin_s)
+        self._readable.spin(self.spin_s)
         try:
             _, n, busy_s = self._expect("done")
         except RuntimeError:
@@ -235,10 +237,19 @@ class SharedFile:
 SPIN_S = 0.05
 
 
-def _spin_until_readable(conn: Connection, limit_s: float) -> None:
-    start = time.perf_counter()
-    while not conn.poll(0) and time.perf_counter() - start < limit_s:
-        pass
+class SocketPoll:
+    """Whether a connection has something to read, one poll(2) per check: `Connection.poll`
+    builds a selector on every call, and both ends check once a step (or spin on it)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._poll = select.poll()
+        self._poll.register(conn.fileno(), select.POLLIN)  # EOF reports POLLHUP: readable
+
+    def spin(self, limit_s: float) -> None:
+        """Until readable, or for at most `limit_s` (then the caller blocks in recv)."""
+        start = time.perf_counter()
+        while not self._poll.poll(0) and time.perf_counter() - start < limit_s:
+            pass
 
 
 def _stop_worker(proc: subprocess.Popen, conn: Connection, shared: SharedFile) -> None:
@@ -276,6 +287,7 @@ class Worker:
         from photon.structured.backend import create_backend
 
         self.conn = Connection(ns.sock)
+        self._readable = SocketPoll(self.conn)
         layout = SharedLayout(ns.max_rows, ns.words)
         self._mem = mmap.mmap(ns.mem, layout.nbytes)
         self.arrays, self.masks = layout.views(self._mem)
@@ -291,7 +303,7 @@ class Worker:
     def serve(self) -> None:
         self.conn.send(("ready",))
         while True:
-            _spin_until_readable(self.conn, self.spin_s)
+            self._readable.spin(self.spin_s)
             try:
                 msg = self.conn.recv()
             except EOFError:
