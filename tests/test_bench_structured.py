@@ -32,6 +32,11 @@ def test_bench_structured_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert row["plain_pipelined_mask_fill_ms_per_step"] == 0.0
     for key in ("json_blocking", "json_pipelined", "plain_blocking", "plain_pipelined"):
         assert 0 < row[f"{key}_gpu_ms_per_step"] <= row[f"{key}_ms_per_step"]
+        assert 0 < row[f"{key}_host_ms_per_step"] <= row[f"{key}_ms_per_step"]
+    # Each grammar job's time: median <= 90th percentile <= longest; plain runs have none.
+    assert 0 < row["json_pipelined_job_ms_p50"] <= row["json_pipelined_job_ms_p90"] \
+        <= row["json_pipelined_job_ms_max"]
+    assert "plain_pipelined_job_ms_p50" not in row
 
 
 def test_bench_structured_named_schema_without_ranges(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,7 +8,8 @@ in alternation --repeats times; the pair with the median ratio is reported (and 
 tokens / wall time of the batch. Grammars are compiled (and cached) before timing. Each run also
 reports its steps and, per step, the wall time, the GPU time (forward + sampling, CUDA events), the
 commit's wait for the GPU, the grammar job (accepts and mask fill, in the grammar worker unless
---structured-outputs-worker inline) and the engine thread's wait for it; and the median and longest iteration
+--structured-outputs-worker inline; also its median, 90th percentile and longest), the engine
+thread's wait for it and its own work (the rest); and the median and longest iteration
 (when it ran, how many requests were running), the time spent in iterations over 10 ms and in
 garbage-collector pauses: what makes outliers.
 """
@@ -144,8 +145,9 @@ def _timed_run(core: EngineCore, prompts: list[list[int]], params: list[Sampling
     core.pipeline.depth = depth
     probe = StepProbe(runner.device)
     runner.probe = probe
-    executor = core.structured.executor
-    job_s, wait_s, steps = executor.busy_s, runner.grammar_wait_s, runner.step_count
+    clock = core.structured.executor.clock
+    clock.recent.clear()
+    job_s, wait_s, steps = clock.total_s, runner.grammar_wait_s, runner.step_count
     try:
         with StepLog() as log:
             lengths, wall, reasons = run_batch(core, prompts, params, log)
@@ -153,15 +155,27 @@ def _timed_run(core: EngineCore, prompts: list[list[int]], params: list[Sampling
         runner.probe = None
     n = max(1, runner.step_count - steps)
     ms = 1e3 / n
+    mask_wait_s = runner.grammar_wait_s - wait_s
     row = {f"{prefix}_tok_per_s": sum(lengths) / wall, f"{prefix}_steps": n,
            f"{prefix}_ms_per_step": wall * ms, f"{prefix}_gpu_ms_per_step": probe.gpu_seconds() * ms,
            f"{prefix}_wait_ms_per_step": probe.wait_s * ms,
-           f"{prefix}_mask_fill_ms_per_step": (executor.busy_s - job_s) * ms,
-           f"{prefix}_mask_wait_ms_per_step": (runner.grammar_wait_s - wait_s) * ms,
-           **log.summary(prefix)}
+           # the engine thread's own work: the iteration minus its waits (GPU, grammar job)
+           f"{prefix}_host_ms_per_step": (wall - probe.wait_s - mask_wait_s) * ms,
+           f"{prefix}_mask_fill_ms_per_step": (clock.total_s - job_s) * ms,
+           f"{prefix}_mask_wait_ms_per_step": mask_wait_s * ms,
+           **_job_tail(prefix, sorted(clock.recent)), **log.summary(prefix)}
     if params[0].structured_outputs is not None:
         row[f"{prefix}_finish_reasons"] = dict(reasons)
     return lengths, row
+
+
+def _job_tail(prefix: str, jobs: list[float]) -> dict[str, float]:
+    """Median, 90th percentile and longest grammar job of a run (sorted seconds), in ms."""
+    if not jobs:
+        return {}
+    return {f"{prefix}_job_ms_p50": 1e3 * jobs[len(jobs) // 2],
+            f"{prefix}_job_ms_p90": 1e3 * jobs[(9 * len(jobs)) // 10],
+            f"{prefix}_job_ms_max": 1e3 * jobs[-1]}
 
 
 def grammar_batch(batch: int, schema: dict[str, Any], prompt_len: int, max_tokens: int

@@ -23,6 +23,7 @@ worker, so either way the H2D copy is asynchronous.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, Protocol
 
 import torch
@@ -64,11 +65,24 @@ class GrammarExecutor(Protocol):
         """Until the submitted job is done; the indices into its `accepts` that were rejected."""
 
     @property
-    def busy_s(self) -> float:
-        """Time spent in step jobs so far (wherever they ran)."""
+    def clock(self) -> JobClock:
+        """Time spent in step jobs (wherever they ran)."""
 
     def shutdown(self) -> None:
         """Stop the executor's workers (idempotent)."""
+
+
+class JobClock:
+    """Time in step jobs: the total, and the latest jobs one by one (bench structured reports
+    their median and tail: a few dear rows make a slow step)."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self.total_s = 0.0
+        self.recent: deque[float] = deque(maxlen=keep)
+
+    def add(self, seconds: float) -> None:
+        self.total_s += seconds
+        self.recent.append(seconds)
 
 
 class InlineExecutor:
@@ -79,7 +93,7 @@ class InlineExecutor:
         self.pin = pin
         self._buffers: dict[int, torch.Tensor] = {}
         self._rejected: list[int] = []
-        self.busy_s = 0.0  # time in step jobs (bench structured reports it)
+        self.clock = JobClock()
 
     def prepare(self, key: tuple, spec: Any) -> None:
         pass
@@ -107,7 +121,7 @@ class InlineExecutor:
         start = time.perf_counter()
         self._rejected = run_job(self.backend, accepts, fills,
                                  mask.bits if mask is not None else None)
-        self.busy_s += time.perf_counter() - start
+        self.clock.add(time.perf_counter() - start)
 
     def device_fence(self, index: int) -> tuple[int, int] | None:
         return None  # the job ran in submit

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from photon.structured.bitmask import TokenMask, mask_numel
-from photon.structured.executor import run_job
+from photon.structured.executor import JobClock, run_job
 from photon.tokenizer import Tokenizer
 
 ARRAYS = ("acc_slot", "acc_tok", "fill_row", "fill_slot", "rejected", "fence")
@@ -103,7 +103,7 @@ class ProcessExecutor:
         self._finalizer = weakref.finalize(self, _stop_worker, self.proc, self.conn, self.shared)
         self._send_lock = threading.Lock()  # compiles are announced from the server's thread too
         self._ready = False
-        self.busy_s = 0.0  # the worker's time in step jobs
+        self.clock = JobClock()  # the worker's time in step jobs
         self._pending = 0
         self._next_slot = 0
         self._free_slots: list[int] = []
@@ -187,7 +187,7 @@ class ProcessExecutor:
         except RuntimeError:
             self.shared.release_fences()
             raise
-        self.busy_s += busy_s
+        self.clock.add(busy_s)
         return self.arrays["rejected"][:n].tolist()
 
     def shutdown(self) -> None:
