@@ -240,10 +240,8 @@ class ModelRunner:
             try:
                 self.structured.submit(accepts, fills, mask, h.slot.index if h is not None else 0)
                 self._grammar_pending = True
-            except RuntimeError as e:
+            except RuntimeError as e:  # finalize makes the masks allow-all (see _grammar_bitmask)
                 self._grammar_lost = str(e)
-        if mask is not None and self._grammar_lost is not None:
-            mask.flat.fill_(-1)  # no matcher fills them: unconstrained (those requests fail)
 
     def end_grammar_step(self) -> tuple[list[RequestGrammar], str | None]:
         """Wait for the submitted grammar job if finalize did not; the grammars that rejected
@@ -277,8 +275,8 @@ class ModelRunner:
             fence = self.structured.executor.device_fence(h.slot.index)
         if fence is None:
             self._collect_grammar_job()
-        if self._grammar_lost is not None:
-            h.masks.flat.fill_(-1)  # the job may have written part of them
+        if self._grammar_lost is not None:  # no matcher filled them, or only part: unconstrained
+            h.masks.flat.fill_(-1)  # (every grammar request fails at the next commit)
         rows, words = h.masks.bits.shape
         return mask_views(h.slot.upload_mask(self.streams, h.masks, fence), rows, words)
 
