@@ -258,6 +258,41 @@ def test_bitmask_apply_matches_torch(rows, vocab, words):
         assert torch.isinf(got[1, 32 * words:]).all()  # tail masked
 
 
+@pytest.mark.parametrize("case", ["sampled", "mixed_greedy", "all_greedy", "top_k"])
+def test_fused_draw_reads_the_grammar_mask(case):
+    """The Triton draw applies the grammar masks itself when no threshold is needed (and the
+    separate mask pass otherwise): the same tokens as masking the logits first on the torch
+    path, with mask words narrower than the vocabulary (tail flags) and an all-masked row."""
+    from photon.structured.bitmask import TokenMask
+
+    rows, vocab, words = 8, 5000, 100  # ids >= 3,200 follow the row's tail flag
+    g = torch.Generator().manual_seed(11)
+    bits = torch.randint(-2**31, 2**31, (rows, words), generator=g, dtype=torch.int64)
+    bits = bits.to(torch.int32) & torch.randint(-2**31, 2**31, (rows, words), generator=g,
+                                                dtype=torch.int64).to(torch.int32)  # sparser
+    bits[1] = 0  # a row with nothing allowed below 3,200 ...
+    tail = torch.tensor([0, -1, -1, 0, -1, 0, 0, -1], dtype=torch.int32)
+    bits[5], tail[5] = 0, 0  # ... and one with nothing allowed at all: token 0, as torch
+    mask = TokenMask(bits.to(DEVICE), tail.to(DEVICE))
+    temps = {"sampled": full(rows, 0.9), "mixed_greedy": torch.tensor([0.0, 1.0] * 4),
+             "all_greedy": full(rows, 0.0), "top_k": full(rows, 1.1)}[case]
+    kw = {"temperature": temps}
+    if case == "top_k":
+        kw["top_k"] = torch.tensor([5, 0] * 4, dtype=torch.int32)
+    logits = randn(rows, vocab, seed=12) * 4
+    fused, ref = sample_both(logits, rows, token_bitmask=mask, **kw)
+    assert torch.equal(fused, ref)
+    allowed = torch.isfinite(_apply_mask_ref(logits, mask))
+    assert all(allowed[r, t] for r, t in enumerate(fused.tolist()) if r != 5)
+    assert fused[5].item() == 0 and fused[1].item() >= 32 * words
+
+
+def _apply_mask_ref(logits: torch.Tensor, mask: object) -> torch.Tensor:
+    from photon.structured.bitmask import apply_token_bitmask
+
+    return apply_token_bitmask(logits.clone(), mask)
+
+
 # ----------------------------------------------------------------------------- CUDA (bf16)
 
 

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from photon.structured.bitmask import TokenMask
+
 # Hash constants: must equal those in photon/worker/sampler.py (tests check the bits).
 _MUL_A = tl.constexpr(0x21F0AAAD)
 _MUL_B = tl.constexpr(0x735A2D97)
@@ -220,10 +222,21 @@ def _threshold_kernel(logits_ptr, stride, vocab, temp_ptr, top_k_ptr, top_p_ptr,
     tl.store(out_ptr + row, thr)
 
 
+@triton.jit
+def _allowed(bits_row_ptr, tail, cols, covered):
+    """Grammar mask (photon.structured.bitmask layout) of one row at token ids `cols`; `tail`:
+    the row's flag for ids past its words."""
+    in_bits = cols < covered
+    w = tl.load(bits_row_ptr + cols // 32, mask=in_bits, other=0)
+    tail_ok = (cols * 0 + tail) != 0
+    return (in_bits & (((w >> (cols % 32)) & 1) != 0)) | (~in_bits & tail_ok)
+
+
 @triton.jit(do_not_specialize_on_alignment=["temp_ptr", "keys_ptr", "counters_ptr", "thr_ptr",
-                                            "out_ptr"])
+                                            "out_ptr", "bits_ptr", "tail_ptr"])
 def _gumbel_argmax_kernel(logits_ptr, stride, vocab, temp_ptr, keys_ptr, counters_ptr, thr_ptr,
-                          out_ptr, greedy_eps, HAS_THRESHOLD: tl.constexpr,
+                          out_ptr, greedy_eps, bits_ptr, tail_ptr, words, covered,
+                          HAS_THRESHOLD: tl.constexpr, HAS_MASK: tl.constexpr,
                           BLOCK: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
@@ -234,11 +247,16 @@ def _gumbel_argmax_kernel(logits_ptr, stride, vocab, temp_ptr, keys_ptr, counter
     thr = tl.full([], float("-inf"), tl.float32)
     if HAS_THRESHOLD:
         thr = tl.load(thr_ptr + row)
+    tail = tl.full([], 0, tl.int32)
+    if HAS_MASK:
+        tail = tl.load(tail_ptr + row)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < vocab
+        if HAS_MASK:  # a token the grammar forbids is never loaded: it scores -inf
+            mask = mask & _allowed(bits_ptr + row.to(tl.int64) * words, tail, cols, covered)
         x = tl.load(row_ptr + cols, mask=mask, other=float("-inf"))
         s = _div(x, temp)
         score = tl.where(s >= thr, s + _gumbel(_bits(seed, cols)), float("-inf"))
@@ -295,19 +313,26 @@ def filter_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
 
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
                   counters: torch.Tensor, threshold: torch.Tensor | None, *,
-                  greedy_eps: float) -> torch.Tensor:
+                  greedy_eps: float, mask: TokenMask | None = None) -> torch.Tensor:
     """[R] int64: argmax(logits) for greedy rows, else the Gumbel-max draw
-    argmax_v(s_v + gumbel(key, counter, v)) over {v : s_v >= threshold}, s = logits / temp."""
+    argmax_v(s_v + gumbel(key, counter, v)) over {v : s_v >= threshold}, s = logits / temp;
+    with `mask` (grammar masks), over the tokens it allows only: the same tokens as applying
+    the mask to the logits first, without that extra pass (the threshold, if any, must have
+    been computed on masked logits)."""
     logits = _rows_f32(logits)
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
     block = _block(vocab)
+    bits, tail = (mask.bits, mask.tail) if mask is not None else (temperature, temperature)
+    words = mask.bits.shape[1] if mask is not None else 0
     _gumbel_argmax_kernel[(rows,)](
         logits, logits.stride(0), vocab, temperature, keys, counters,
         threshold if threshold is not None else temperature, out, greedy_eps,
-        HAS_THRESHOLD=threshold is not None, BLOCK=block, num_warps=_num_warps(block))
+        bits, tail, words, min(vocab, 32 * words),
+        HAS_THRESHOLD=threshold is not None, HAS_MASK=mask is not None, BLOCK=block,
+        num_warps=_num_warps(block))
     return out
 
 

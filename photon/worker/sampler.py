@@ -246,17 +246,39 @@ def _logprob_outputs(raw: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Te
     return sampled, top_ids, top_lp
 
 
-def _sample_fused(logits: Tensor, batch: SamplingBatch) -> Tensor:
+def _needs_threshold(batch: SamplingBatch) -> bool:
+    return batch.any_min_p or batch.any_top_k or batch.any_top_p
+
+
+def _sample_fused(logits: Tensor, batch: SamplingBatch, mask: TokenMask | None = None) -> Tensor:
     """Triton path of greedy/temperature/min_p/top_k/top_p + Gumbel-max: same tokens, no
-    sort and no [R, V] noise (photon.kernels.sampling)."""
+    sort and no [R, V] noise (photon.kernels.sampling). `mask`: grammar masks applied inside
+    the draw (only without a threshold: the threshold searches read the logits themselves)."""
     threshold = None
-    if batch.any_min_p or batch.any_top_k or batch.any_top_p:
+    if _needs_threshold(batch):
+        assert mask is None, "apply the grammar mask to the logits before the threshold search"
         threshold = fused_sampling.filter_thresholds(
             logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p,
             use_top_k=batch.any_top_k, use_top_p=batch.any_top_p, use_min_p=batch.any_min_p,
             greedy_eps=GREEDY_EPS)
     return fused_sampling.gumbel_argmax(logits, batch.temperature, batch.keys, batch.counters,
-                                        threshold, greedy_eps=GREEDY_EPS)
+                                        threshold, greedy_eps=GREEDY_EPS, mask=mask)
+
+
+def _draw(logits: Tensor, batch: SamplingBatch, fused: bool, owned: bool) -> Tensor:
+    """The grammar mask, then greedy or random sampling. `owned`: logits may be modified."""
+    mask = batch.token_bitmask
+    if mask is not None and fused and not _needs_threshold(batch):
+        return _sample_fused(logits, batch, mask)  # the draw reads the mask (greedy rows too)
+    if mask is not None:
+        apply = fused_bitmask.apply_token_bitmask_ if fused else apply_token_bitmask
+        logits = apply(logits if owned else logits.clone(), mask)
+    if batch.all_greedy:
+        return logits.argmax(dim=-1)
+    if fused:
+        return _sample_fused(logits, batch)
+    greedy = batch.temperature < GREEDY_EPS
+    return torch.where(greedy, logits.argmax(dim=-1), _sample_random(logits, batch, greedy))
 
 
 class Sampler:
@@ -281,17 +303,7 @@ class Sampler:
         if batch.ban_rows.numel() > 0:  # a shape, not a value: no sync
             logits, owned = apply_bans(logits if owned else logits.clone(), batch), True
         fused = self.fused if self.fused is not None else logits.is_cuda and USE_TRITON
-        if batch.token_bitmask is not None:
-            apply = fused_bitmask.apply_token_bitmask_ if fused else apply_token_bitmask
-            logits = apply(logits if owned else logits.clone(), batch.token_bitmask)
-        if batch.all_greedy:
-            token_ids = logits.argmax(dim=-1)
-        elif fused:
-            token_ids = _sample_fused(logits, batch)
-        else:
-            greedy = batch.temperature < GREEDY_EPS
-            token_ids = torch.where(greedy, logits.argmax(dim=-1),
-                                    _sample_random(logits, batch, greedy))
+        token_ids = _draw(logits, batch, fused, owned)
         if raw is None:
             return SamplerOutput(token_ids, None, None, None)
         sampled, top_ids, top_lp = _logprob_outputs(raw, token_ids, batch.max_logprobs)
