@@ -9,11 +9,15 @@ import re
 import time
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
 from photon import LLM, SamplingParams
+from photon.structured.executor import StepJob
 from photon.structured.params import StructuredOutputsParams as SO
+
+_NONE = np.zeros(0, dtype=np.int64)
 
 SEEDS = range(8)
 SCHEMAS = [
@@ -235,19 +239,19 @@ def test_mask_never_allows_ids_past_the_tokenizer(llm: LLM) -> None:
     never be sampled under a grammar, while rows without one keep the whole vocabulary."""
     import torch
 
-    from photon.structured.bitmask import grammar_rows, mask_numel, mask_views
+    from photon.structured.bitmask import mask_numel, mask_views
 
     manager = llm.engine.structured
     backend = manager.backend
     assert manager.vocab_size == 1024 and backend.info.vocab_size == 1000
     assert backend.mask_words == 32
     grammar = _ready(manager.request_grammar(SO(regex="[a-z]+")))
-    rows = [_mask_row(None), _mask_row(grammar), _mask_row(None)]
     mask = mask_views(manager.executor.mask_buffer(0, mask_numel(3, 32)), 3, 32)
     mask.bits.fill_(0x5A5A5A5A)
-    fills = grammar_rows(rows, mask)
-    assert fills == [(1, grammar)]
-    manager.submit([], fills, mask)
+    table, rows = _grammar_rows(manager, [None, grammar, None])
+    fills = table.fill(rows, np.arange(3), np.zeros(3, dtype=np.int64), mask)
+    assert fills.rows.tolist() == [1] and fills.handles.tolist() == [grammar.handle]
+    manager.submit(StepJob(_NONE, _NONE, fills.rows, fills.handles), mask)
     assert manager.wait() == []
     assert mask.tail.tolist() == [-1, 0, -1]
     assert (mask.bits[0] == -1).all() and (mask.bits[2] == -1).all()
@@ -273,8 +277,28 @@ def _ready(grammar: object, timeout: float = 120.0) -> object:
 def _mask_row(grammar: object, out_index: int = 0) -> object:
     from types import SimpleNamespace
 
-    req = SimpleNamespace(grammar=grammar, finalized=False, output_token_ids=[])
+    req = SimpleNamespace(grammar=grammar, finalized=False, output_token_ids=[0] * out_index)
     return SimpleNamespace(request=req, out_index=out_index)
+
+
+def _grammar_rows(manager: object, grammars: list, out_index: int = 0) -> tuple:
+    """A GrammarRows table whose pool row i holds a request under grammars[i] (or none) that
+    committed `out_index` outputs, and those requests' sampling rows."""
+    from photon.structured.rows import GrammarRows
+
+    table = GrammarRows(len(grammars), manager.backend.stop_token_ids, manager.backend.mask_words)
+    rows = [_mask_row(g, out_index) for g in grammars]
+    for i, row in enumerate(rows):
+        table.assign(i, row.request)
+    return table, rows
+
+
+def _all_filled(table: object) -> object:
+    """The fills of a step in which every row of `table` with a grammar was filled."""
+    from photon.structured.rows import StepFills
+
+    pool_rows = np.flatnonzero(table.handle >= 0)
+    return StepFills(pool_rows, table.handle[pool_rows], pool_rows)
 
 
 def _apply(logits, mask):
@@ -330,21 +354,25 @@ def test_split_fill_equals_one_call_and_reraises(llm: LLM) -> None:
     (SO(choice=["on", "off", "onward"]), "on"),
 ])
 def test_stop_token_set_predicts_termination(llm: LLM, spec: SO, text: str) -> None:
-    """note_token takes a grammar's end from the stop-token set instead of asking the matcher:
-    after every accepted token it equals the matcher's own is_terminated() (a matcher accepts a
-    stop token only where the grammar may end)."""
+    """GrammarRows.accept takes a grammar's end from the stop-token set instead of asking the
+    matcher: after every accepted token it equals the matcher's own is_terminated() (a matcher
+    accepts a stop token only where the grammar may end); an ended grammar fills nothing more."""
     engine = llm.engine
-    grammar = engine.structured.request_grammar(spec)
+    grammar = _ready(engine.structured.request_grammar(spec))
     backend = engine.structured.backend
     stops = sorted(backend.stop_token_ids)
     assert stops
     matcher = backend.matcher(grammar.future.result())
     assert not backend.matcher(grammar.future.result()).accept(stops[0])  # cannot end yet
+    table, rows = _grammar_rows(engine.structured, [grammar])
     for t in [*engine.tokenizer.encode(text), stops[0]]:
-        grammar.note_token(t)
+        fills = _all_filled(table)
+        assert fills.rows.size == 1
+        handles, toks = table.accept(fills, rows, np.array([t]))
+        assert handles.tolist() == [grammar.handle] and toks.tolist() == [t]
         assert backend.accept_tokens([matcher], [t]) == [True]
         assert grammar.terminated == matcher.is_terminated()
-    assert grammar.terminated
+    assert grammar.terminated and _all_filled(table).rows.size == 0
     assert backend.accept_tokens([matcher], [stops[0]]) == [False]  # nothing after the end
 
 
@@ -388,7 +416,7 @@ def test_worker_reports_rejections_and_fills_live_rows(llm: LLM) -> None:
     """The grammar-worker process accepts a step's tokens and fills the next masks in one job:
     a token its grammar forbids comes back rejected (its row all ones, so the request can only
     abort), the live row's mask equals the engine-side backend's for the same state."""
-    from photon.structured.bitmask import grammar_rows, mask_numel, mask_views
+    from photon.structured.bitmask import mask_numel, mask_views
     from photon.structured.worker import ProcessExecutor
 
     manager = llm.engine.structured
@@ -399,11 +427,13 @@ def test_worker_reports_rejections_and_fills_live_rows(llm: LLM) -> None:
     first = tok.encode('{"')[0]
     words = manager.backend.mask_words
     mask = mask_views(manager.executor.mask_buffer(1, mask_numel(2, words)), 2, words)
-    accepts = [(good, first), (bad, tok.encode("]")[0])]
-    for grammar, t in accepts:
-        grammar.note_token(t)
-    fills = grammar_rows([_mask_row(good, out_index=1), _mask_row(bad, out_index=1)], mask)
-    manager.submit(accepts, fills, mask, 1)
+    table, rows = _grammar_rows(manager, [good, bad])
+    acc = table.accept(_all_filled(table), rows, np.array([first, tok.encode("]")[0]]))
+    for row in rows:
+        row.out_index = 1
+    fills = table.fill(rows, np.arange(2), np.ones(2, dtype=np.int64), mask)
+    assert fills.rows.tolist() == [0, 1]  # a rejection shows only once the job ran
+    manager.submit(StepJob(*acc, fills.rows, fills.handles), mask, 1)
     assert manager.wait() == [bad] and bad.rejected and not good.rejected
     assert (mask.bits[1] == -1).all()
     reference = manager.backend.matcher(good.future.result())
@@ -425,11 +455,12 @@ def test_worker_fence_words_follow_jobs(llm: LLM) -> None:
     grammar = _ready(manager.request_grammar(SO(regex="[a-z]+")))
     tok = llm.engine.tokenizer.encode("a")[0]
     for index in (0, 1, 1, 0):
-        grammar.note_token(tok)
-        manager.submit([(grammar, tok)], [], None, index)
+        manager.submit(StepJob(np.array([grammar.handle]), np.array([tok]), _NONE, _NONE),
+                       None, index)
         assert manager.wait() == []
         assert int(executor.fences[index]) == executor.fence_values[index] > 0
-    executor.submit([], [(0, 10_000)], None, 1)  # a matcher slot that does not exist
+    no_such_matcher = StepJob(_NONE, _NONE, np.array([0]), np.array([10_000]))
+    executor.submit(no_such_matcher, None, 1)
     with pytest.raises(RuntimeError, match="grammar worker: KeyError"):
         executor.wait()
     assert int(executor.fences[1]) == executor.fence_values[1]
@@ -447,7 +478,7 @@ def test_dead_worker_releases_fences() -> None:
     assert isinstance(executor, ProcessExecutor)
     assert llm.engine.structured.start(wait_s=120)
     executor.proc.send_signal(signal.SIGSTOP)  # the job below is queued, never run
-    executor.submit([], [], None, 0)
+    executor.submit(StepJob(_NONE, _NONE, _NONE, _NONE), None, 0)
     executor.proc.kill()
     executor.proc.wait()
     assert list(executor.fences) == [0, 0] and executor.fence_values == [1, 0]

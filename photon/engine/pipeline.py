@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 
 from photon.engine.request import Request
-from photon.engine.scheduler import CommittedToken, Scheduler
+from photon.engine.scheduler import Scheduler
 from photon.worker.model_runner import ModelRunner, PreparedStep, StepHandle
 
 
@@ -37,7 +37,6 @@ class Pipeline:
         self.depth = depth
         self.inflight: deque[StepHandle] = deque()  # finalized, not yet committed
         self.staged: PreparedStep | None = None  # planned and staged, not yet launched
-        self._job_accepts: list[tuple[Request, int]] = []  # the grammar job in flight accepts these
 
     def step(self) -> list[Request]:
         """Run one iteration; return the requests that received tokens or were finalized."""
@@ -68,8 +67,7 @@ class Pipeline:
         the job of this iteration (their accepts, the fills of `handle`), the bookkeeping."""
         touched = self._end_grammar_step()
         tokens = self.runner.wait(committing)
-        self._job_accepts = self._grammar_accepts(committing, tokens)
-        self.runner.begin_grammar_step([(r.grammar, t) for r, t in self._job_accepts], handle)
+        self.runner.begin_grammar_step(committing, handle)
         return touched + self.scheduler.commit(committing.rows, tokens)
 
     def _step_blocking(self) -> list[Request]:
@@ -87,23 +85,16 @@ class Pipeline:
         plan = self.scheduler.plan()
         return self.runner.prepare(plan) if not plan.empty else None
 
-    def _grammar_accepts(self, handle: StepHandle, tokens: list[CommittedToken | None]
-                         ) -> list[tuple[Request, int]]:
-        if not handle.arrays.flags["any_grammar"]:
-            return []
-        return self.scheduler.grammar_accepts(handle.rows, tokens)
-
     def _end_grammar_step(self) -> list[Request]:
         """Collect the grammar job in flight; abort the requests whose token it rejected, or
         every grammar request if the grammar executor failed (the engine serves on)."""
-        accepts, self._job_accepts = self._job_accepts, []
         grammars, lost = self.runner.end_grammar_step()
         if lost is not None:
             return self.scheduler.fail_grammars(f"structured outputs are unavailable: {lost}")
-        rejected = set(map(id, grammars))
-        if not rejected:
+        if not grammars:
             return []
-        requests = [r for r, _ in accepts if id(r.grammar) in rejected]
+        rejected = set(map(id, grammars))
+        requests = [r for r in self.scheduler.requests.values() if id(r.grammar) in rejected]
         self.scheduler.reject_grammars(requests)
         return requests
 

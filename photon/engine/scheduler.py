@@ -221,17 +221,6 @@ class Scheduler:
         if reason is not None:
             self.finalize(req, reason)
 
-    def grammar_accepts(self, rows: list[ScheduledRow], tokens: list[CommittedToken | None]
-                        ) -> list[tuple[Request, int]]:
-        """The first part of commit, for steps with grammar rows: the tokens that the rows'
-        matchers accept (the rows commit appends to; zombies never advance a matcher)."""
-        accepts = []
-        for row, tok in zip(rows, tokens):
-            req = row.request
-            if req.grammar is not None and row.sample and tok is not None and not req.finalized:
-                accepts.append((req, tok.token_id))
-        return accepts
-
     def reject_grammars(self, requests: list[Request]) -> None:
         """Their matchers refused the token commit appended. The mask makes that impossible, so
         it is an engine bug: the request ends (ABORT, with `error`) instead of the engine."""

@@ -1,4 +1,5 @@
-"""Next-token masks: filled on the host at finalize(t+1), applied on the device in the sampler.
+"""Next-token masks: filled on the host by a step's grammar job, applied on the device in the
+sampler.
 
 Layout of one step's masks for R sampling rows, packed in one flat int32 buffer (one H2D copy):
   bits [R, W]  the backend's packing (xgrammar's): bit `v % 32` of word `v // 32` set = token v
@@ -13,14 +14,10 @@ and the tail set: no constraint.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from photon.engine.scheduler import ScheduledRow
 
 ALLOW_ALL = -1
 
@@ -30,10 +27,17 @@ class TokenMask:
     bits: torch.Tensor  # [R, W] int32
     tail: torch.Tensor  # [R] int32
     flat: torch.Tensor | None = None  # both, and the padding between them: one copy moves all
+    _arrays: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     @property
     def numel(self) -> int:
         return self.bits.numel() + self.tail.numel()
+
+    def host_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """numpy views of (bits, tail) of a host mask."""
+        if self._arrays is None:
+            self._arrays = (self.bits.numpy(), self.tail.numpy())
+        return self._arrays
 
 
 def _tail_offset(rows: int, words: int) -> int:
@@ -51,29 +55,20 @@ def mask_views(flat: torch.Tensor, rows: int, words: int) -> TokenMask:
     return TokenMask(bits, flat[tail:tail + rows], flat[:tail + rows])
 
 
-def grammar_rows(rows: list[ScheduledRow], mask: TokenMask) -> list[tuple[int, Any]]:
-    """Row j of `mask` (host tensors) is for the j-th sampling row. Rows without a live grammar
-    (none, zombie, terminated or rejected) get all bits and the tail set; returns (j, grammar) for
-    the rows left to the grammar executor (their tail is 0). Every output before a grammar row's
-    `out_index` must have been handed to its matcher."""
-    todo: list[tuple[int, Any]] = []
-    for j, row in enumerate(rows):
-        req = row.request
-        grammar = req.grammar
-        if grammar is None or req.finalized or grammar.terminated or grammar.rejected:
-            continue
-        assert grammar.num_sent == row.out_index, \
-            "grammar mask built before the previous token was committed"
-        todo.append((j, grammar))
-    bits, tail = mask.bits.numpy(), mask.tail.numpy()
-    grammar_js = [j for j, _ in todo]
-    tail.fill(ALLOW_ALL)
-    if len(todo) < len(rows):
-        free = np.ones(len(rows), dtype=bool)
-        free[grammar_js] = False
-        bits[free] = ALLOW_ALL
-    tail[grammar_js] = 0
-    return todo
+class MaskViews:
+    """`mask_views` of a few fixed buffers, built once per (buffer, rows): a grammar step takes
+    two (host and device), and building views costs more than the rest of its bookkeeping."""
+
+    def __init__(self, words: int) -> None:
+        self.words = words
+        self._views: dict[tuple[int, int], TokenMask] = {}
+
+    def __call__(self, flat: torch.Tensor, rows: int) -> TokenMask:
+        key = (flat.data_ptr(), rows)  # a cached view keeps its buffer alive: the key stays unique
+        mask = self._views.get(key)
+        if mask is None:
+            mask = self._views[key] = mask_views(flat, rows, self.words)
+        return mask
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:

@@ -14,8 +14,9 @@ latest.
   to start and finish the call, and the hand-offs cost more than the overlap saved (session 6/7
   measurements in docs/benchmarks.md).
 
-Matchers are addressed by handle (`open` returns one per sequence; `close` frees it): the matcher
-object itself inline, an integer slot in the worker. Masks are written into host buffers the
+Matchers are addressed by handle (`open` returns one per sequence; `close` frees it): a small
+integer, reused once closed, that indexes the executor's matcher table (the engine keeps it in a
+per-pool-row column: photon.structured.rows). A step's rows go in as int64 arrays. Masks are written into host buffers the
 executor hands out (`mask_buffer`): pinned memory inline, shared memory registered with CUDA for the
 worker, so either way the H2D copy is asynchronous.
 """
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from photon.structured.backend import GrammarBackend
@@ -42,19 +45,17 @@ class GrammarExecutor(Protocol):
     def ready(self) -> bool:
         """Whether matchers can be opened (a worker may still be starting)."""
 
-    def open(self, key: tuple, compiled: Any) -> Any:
+    def open(self, key: tuple, compiled: Any) -> int:
         """A matcher at the start of a compiled grammar; returns its handle."""
 
-    def close(self, handle: Any) -> None:
+    def close(self, handle: int) -> None:
         """The matcher's sequence is released: no job refers to it any more."""
 
     def mask_buffer(self, index: int, numel: int) -> torch.Tensor:
         """Host int32 buffer `index` (one per pipeline slot), at least `numel` long."""
 
-    def submit(self, accepts: list[tuple[Any, int]], fills: list[tuple[int, Any]],
-               mask: TokenMask | None, index: int) -> None:
-        """Accept each (handle, token), then fill `mask.bits` (a view of `mask_buffer(index)`)
-        row j from handle for each (j, handle): see `run_job`."""
+    def submit(self, job: StepJob, mask: TokenMask | None, index: int) -> None:
+        """Run `job`, filling `mask.bits` (a view of `mask_buffer(index)`): see `run_job`."""
 
     def device_fence(self, index: int) -> tuple[int, int] | None:
         """(host address, value): a page-locked int32 word that reaches the value once the job
@@ -70,6 +71,38 @@ class GrammarExecutor(Protocol):
 
     def shutdown(self) -> None:
         """Stop the executor's workers (idempotent)."""
+
+
+@dataclass
+class StepJob:
+    """One step's grammar job: handle acc_handles[i] accepts acc_tokens[i], then row
+    fill_rows[i] of the mask is filled from handle fill_handles[i] (int64 arrays)."""
+
+    acc_handles: np.ndarray
+    acc_tokens: np.ndarray
+    fill_rows: np.ndarray
+    fill_handles: np.ndarray
+
+    @property
+    def empty(self) -> bool:
+        return not (self.acc_handles.size or self.fill_rows.size)
+
+
+class Handles:
+    """Matcher handles: small integers, reused once closed."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._free: list[int] = []
+
+    def take(self) -> int:
+        if self._free:
+            return self._free.pop()
+        self._next += 1
+        return self._next - 1
+
+    def give(self, handle: int) -> None:
+        self._free.append(handle)
 
 
 class JobClock:
@@ -92,6 +125,8 @@ class InlineExecutor:
         self.backend = backend
         self.pin = pin
         self._buffers: dict[int, torch.Tensor] = {}
+        self._matchers: dict[int, Any] = {}
+        self._handles = Handles()
         self._rejected: list[int] = []
         self.clock = JobClock()
 
@@ -104,11 +139,14 @@ class InlineExecutor:
     def ready(self) -> bool:
         return True
 
-    def open(self, key: tuple, compiled: Any) -> Any:
-        return self.backend.matcher(compiled)
+    def open(self, key: tuple, compiled: Any) -> int:
+        handle = self._handles.take()
+        self._matchers[handle] = self.backend.matcher(compiled)
+        return handle
 
-    def close(self, handle: Any) -> None:
-        pass
+    def close(self, handle: int) -> None:
+        del self._matchers[handle]
+        self._handles.give(handle)
 
     def mask_buffer(self, index: int, numel: int) -> torch.Tensor:
         buf = self._buffers.get(index)
@@ -116,10 +154,9 @@ class InlineExecutor:
             buf = self._buffers[index] = torch.zeros(numel, dtype=torch.int32, pin_memory=self.pin)
         return buf
 
-    def submit(self, accepts: list[tuple[Any, int]], fills: list[tuple[int, Any]],
-               mask: TokenMask | None, index: int) -> None:
+    def submit(self, job: StepJob, mask: TokenMask | None, index: int) -> None:
         start = time.perf_counter()
-        self._rejected = run_job(self.backend, accepts, fills,
+        self._rejected = run_job(self.backend, self._matchers, job,
                                  mask.bits if mask is not None else None)
         self.clock.add(time.perf_counter() - start)
 
@@ -134,22 +171,24 @@ class InlineExecutor:
         pass
 
 
-def run_job(backend: GrammarBackend, accepts: list[tuple[Any, int]],
-            fills: list[tuple[int, Any]], bits: torch.Tensor | None) -> list[int]:
+def run_job(backend: GrammarBackend, matchers: dict[int, Any], job: StepJob,
+            bits: torch.Tensor | None) -> list[int]:
     """One step's grammar job, wherever it runs (engine thread or grammar worker): the matchers
-    accept their tokens, then fill `bits` row j for each (j, matcher). A matcher that rejected its
-    token gets an all-ones row instead (its request aborts after the job). Returns the indices
-    into `accepts` that were rejected."""
-    ok = backend.accept_tokens([h for h, _ in accepts], [t for _, t in accepts]) \
-        if accepts else []
+    accept their tokens, then fill their rows of `bits`. A matcher that rejected its token gets
+    an all-ones row instead (its request aborts after the job). Returns the indices into the
+    accepts that were rejected."""
+    acc = [matchers[h] for h in job.acc_handles.tolist()]
+    ok = backend.accept_tokens(acc, job.acc_tokens.tolist()) if acc else []
     rejected = [i for i, accepted in enumerate(ok) if not accepted]
-    dead = {id(accepts[i][0]) for i in rejected}
-    live = []
-    for j, handle in fills:
-        if id(handle) in dead:
+    dead = {id(acc[i]) for i in rejected}
+    rows, fill = [], []
+    for j, h in zip(job.fill_rows.tolist(), job.fill_handles.tolist()):
+        matcher = matchers[h]
+        if id(matcher) in dead:
             bits[j] = -1
         else:
-            live.append((j, handle))
-    if live:
-        backend.fill_bitmasks([h for _, h in live], bits, [j for j, _ in live])
+            rows.append(j)
+            fill.append(matcher)
+    if fill:
+        backend.fill_bitmasks(fill, bits, rows)
     return rejected

@@ -7,7 +7,8 @@ hands each sequence its own matcher once its grammar is ready.
 - `RequestGrammar` is the per-sequence state the scheduler sees: `poll()` says whether the grammar
   is ready, failed (with the message) or still compiling; after that its matcher (a handle into
   the executor: photon.structured.executor) accepts the committed tokens and fills the next-token
-  masks, one job per step (`submit` after commit(t)'s wait, `wait` in finalize(t+1)).
+  masks, one job per step (`submit` after commit(t)'s wait, `wait` by commit(t+1)); which rows
+  a job touches is photon.structured.rows' business.
 - A compile that outlives `timeout_s` (measured from the request's arrival) fails that request
   with a GrammarError; the thread keeps running and its result may still serve later requests.
 """
@@ -16,13 +17,13 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 from photon.structured.backend import GrammarBackend, GrammarError, create_backend
 from photon.structured.bitmask import TokenMask
-from photon.structured.executor import GrammarExecutor, InlineExecutor
+from photon.structured.executor import GrammarExecutor, InlineExecutor, StepJob
 from photon.structured.params import StructuredOutputsParams
 from photon.tokenizer import Tokenizer
 
@@ -49,11 +50,17 @@ class StructuredOutputManager:
         # The backend's threads for a step's mask fills (in whichever process fills).
         self.fill_threads = fill_threads
         self.worker, self.max_rows, self.cuda = worker, max_rows, cuda
-        self._submitted: list[RequestGrammar] = []  # the accepts of the job in flight
+        self._submitted: list[int] = []  # the handles that accept in the job in flight
+        # By handle (engine thread only); weak: no cycle back to the manager, so a dropped engine
+        # ends its worker without waiting for the garbage collector.
+        self.open_grammars: weakref.WeakValueDictionary[int, RequestGrammar] = \
+            weakref.WeakValueDictionary()
 
     @property
     def backend(self) -> GrammarBackend:
         """Created on first use (building the backend's vocabulary tables takes a moment)."""
+        if self._backend is not None:  # set once, never replaced: no lock on the step path
+            return self._backend
         with self._lock:
             return self._backend_locked()
 
@@ -66,6 +73,8 @@ class StructuredOutputManager:
     @property
     def executor(self) -> GrammarExecutor:
         """Created with the first grammar (a worker process starts then: seconds)."""
+        if self._executor is not None:
+            return self._executor
         with self._lock:
             return self._executor_locked()
 
@@ -110,20 +119,17 @@ class StructuredOutputManager:
         return RequestGrammar(self, spec.key(), self.compile(spec),
                               time.monotonic() + self.timeout_s)
 
-    def submit(self, accepts: list[tuple[RequestGrammar, int]],
-               fills: list[tuple[int, RequestGrammar]], mask: TokenMask | None,
-               index: int = 0) -> None:
-        """One step's job: the accepts (committed tokens, already noted with `note_token`), then
-        the fills of the next step's grammar rows into `mask` (the other rows were set by
-        `grammar_rows`), a view of the executor's mask buffer `index`."""
-        self.executor.submit([(g.handle, t) for g, t in accepts],
-                             [(j, g.handle) for j, g in fills], mask, index)
-        self._submitted = [g for g, _ in accepts]
+    def submit(self, job: StepJob, mask: TokenMask | None, index: int = 0) -> None:
+        """One step's job: the accepts (step t's committed tokens), then the fills of step t+1's
+        grammar rows into `mask` (the other rows were set by `GrammarRows.fill`), a view of the
+        executor's mask buffer `index`."""
+        self.executor.submit(job, mask, index)
+        self._submitted = job.acc_handles.tolist()
 
     def wait(self) -> list[RequestGrammar]:
         """Until the submitted job is done; the grammars that rejected their token."""
-        rejected = [self._submitted[i] for i in self.executor.wait()]
-        self._submitted = []  # no cycle back to the manager: a dropped engine ends its worker
+        rejected = [self.open_grammars[self._submitted[i]] for i in self.executor.wait()]
+        self._submitted = []
         for grammar in rejected:
             grammar.rejected = True
         return rejected
@@ -143,11 +149,9 @@ class RequestGrammar:
         self.key = key
         self.future = future
         self.deadline = deadline
-        self.handle: Any = None  # the executor's matcher handle, once compiled
-        self.num_sent = 0  # committed tokens handed to the matcher (the fill checks it)
+        self.handle: int | None = None  # the executor's matcher handle, once compiled
         self.terminated = False  # its stop token was committed: no more tokens
         self.rejected = False  # the matcher refused a committed token (an engine bug)
-        self._stops = manager.backend.stop_token_ids  # note_token runs per token: no lock there
 
     def poll(self) -> bool:
         """True once the matcher is ready; False while compiling (or while the grammar worker
@@ -169,20 +173,15 @@ class RequestGrammar:
             if not executor.ready():
                 return False
             self.handle = executor.open(self.key, self.future.result())
+            self.manager.open_grammars[self.handle] = self
         except RuntimeError as e:  # the grammar worker is gone: this request fails, not the engine
             raise GrammarError(f"structured outputs are unavailable: {e}") from None
         return True
 
-    def note_token(self, token_id: int) -> None:
-        """A committed token on its way to the matcher. A matcher accepts a stop token only where
-        its grammar may end and is terminated exactly then, so the end is known here, without
-        waiting for the accept (a rejected token aborts the request anyway)."""
-        self.num_sent += 1
-        self.terminated = token_id in self._stops
-
     def release(self) -> None:
         """The sequence is done and no job refers to its matcher any more."""
         if self.handle is not None:
+            self.manager.open_grammars.pop(self.handle, None)
             try:
                 self.manager.executor.close(self.handle)
             except RuntimeError:

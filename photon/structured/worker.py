@@ -10,12 +10,14 @@ Messages, in order on one socket (engine -> worker):
   ("forget", key)          the engine's cache dropped it
   ("open", slot, key)      a matcher at the start of grammar `key`, addressed by `slot`
   ("close", slot)
-  ("step", n_accept, n_fill, buffer, rows, words, seq)
+  STEP n_accept n_fill buffer rows words seq
                            accept tokens[i] on slots[i] for i < n_accept, then fill mask rows
                            fill_rows[i] of buffer `buffer` ([rows, words] bits) from fill_slots[i],
                            then set the buffer's fence word to `seq` (also when the step failed)
-worker -> engine: ("ready",) once after start-up; ("done", n_rejected, seconds) per step (the
-rejected accept indices in shared memory; the job's time); ("error", text) when a step failed.
+worker -> engine: ("ready",) once after start-up; DONE n_rejected seconds per step (the rejected
+accept indices in shared memory; the job's time); ("error", text) when a step failed.
+STEP and DONE, one each per step, are packed structs (`STEP`, `DONE`: their first byte is never a
+pickle's), the rest pickled tuples.
 On CUDA the GPU waits for the fence word before copying the masks (photon.worker.slots), so the
 engine thread never waits for a fill; it reads "done" by its next commit. Everything the engine
 sent before a step is handled first, and steps run in order.
@@ -29,6 +31,7 @@ import os
 import pickle
 import select
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -43,10 +46,12 @@ import numpy as np
 import torch
 
 from photon.structured.bitmask import TokenMask, mask_numel
-from photon.structured.executor import JobClock, run_job
+from photon.structured.executor import Handles, JobClock, StepJob, run_job
 from photon.tokenizer import Tokenizer
 
 ARRAYS = ("acc_slot", "acc_tok", "fill_row", "fill_slot", "rejected", "fence")
+STEP = struct.Struct("<c6I")  # b"S", n_accept, n_fill, buffer, rows, words, seq
+DONE = struct.Struct("<cId")  # b"D", n_rejected, seconds
 
 
 class SharedLayout:
@@ -105,13 +110,15 @@ class ProcessExecutor:
         self._ready = False
         self.clock = JobClock()  # the worker's time in step jobs
         self._pending = 0
-        self._next_slot = 0
-        self._free_slots: list[int] = []
+        self._handles = Handles()
 
     def _send(self, msg: tuple) -> None:
+        self._send_bytes(pickle.dumps(msg))
+
+    def _send_bytes(self, data: bytes) -> None:
         with self._send_lock:
             try:
-                self.conn.send(msg)
+                self.conn.send_bytes(data)
             except OSError as e:
                 raise RuntimeError(f"the grammar worker died ({e})") from None
 
@@ -129,9 +136,10 @@ class ProcessExecutor:
 
     def _expect(self, kind: str) -> tuple:
         try:
-            msg = self.conn.recv()
+            data = self.conn.recv_bytes()
         except (EOFError, OSError):  # closed, or reset with our message unread
             raise RuntimeError("the grammar worker died") from None
+        msg = ("done", *DONE.unpack(data)[1:]) if data[:1] == b"D" else pickle.loads(data)
         if msg[0] == "error":
             raise RuntimeError(f"grammar worker: {msg[1]}")
         assert msg[0] == kind, f"grammar worker sent {msg[0]!r}, expected {kind!r}"
@@ -144,31 +152,26 @@ class ProcessExecutor:
         self._send(("forget", key))
 
     def open(self, key: tuple, compiled: Any) -> int:
-        slot = self._free_slots.pop() if self._free_slots else self._next_slot
-        self._next_slot = max(self._next_slot, slot + 1)
-        self._send(("open", slot, key))
-        return slot
+        handle = self._handles.take()
+        self._send(("open", handle, key))
+        return handle
 
     def close(self, handle: int) -> None:
         self._send(("close", handle))
-        self._free_slots.append(handle)
+        self._handles.give(handle)
 
     def mask_buffer(self, index: int, numel: int) -> torch.Tensor:
         assert numel <= self.layout.mask_numel, "mask larger than the shared buffer"
         return self._masks[index]
 
-    def submit(self, accepts: list[tuple[int, int]], fills: list[tuple[int, int]],
-               mask: TokenMask | None, index: int) -> None:
+    def submit(self, job: StepJob, mask: TokenMask | None, index: int) -> None:
         a = self.arrays
-        n, m = len(accepts), len(fills)
-        if n:
-            a["acc_slot"][:n], a["acc_tok"][:n] = zip(*accepts)
-        if m:
-            a["fill_row"][:m] = [j for j, _ in fills]
-            a["fill_slot"][:m] = [h for _, h in fills]
+        n, m = job.acc_handles.size, job.fill_rows.size
+        a["acc_slot"][:n], a["acc_tok"][:n] = job.acc_handles, job.acc_tokens
+        a["fill_row"][:m], a["fill_slot"][:m] = job.fill_rows, job.fill_handles
         rows, words = mask.bits.shape if mask is not None else (0, 0)
         seq = (self._seq + 1) & 0xFFFFFFFF
-        self._send(("step", n, m, index, rows, words, seq))
+        self._send_bytes(STEP.pack(b"S", n, m, index, rows, words, seq))
         self._seq = self.fence_values[index] = seq
         self._pending += 1
 
@@ -305,13 +308,15 @@ class Worker:
         while True:
             self._readable.spin(self.spin_s)
             try:
-                msg = self.conn.recv()
+                data = self.conn.recv_bytes()
             except EOFError:
                 return  # the engine is gone
+            if data[:1] == b"S":
+                self.conn.send_bytes(self._step(*STEP.unpack(data)[1:]))
+                continue
+            msg = pickle.loads(data)  # from this package's engine: trusted
             kind = msg[0]
-            if kind == "step":
-                self.conn.send(self._step(*msg[1:]))
-            elif kind == "compile":
+            if kind == "compile":
                 self.compiles[msg[1]] = self.pool.submit(self.backend.compile, msg[2])
             elif kind == "forget":
                 self.compiles.pop(msg[1], None)
@@ -320,27 +325,25 @@ class Worker:
             elif kind == "close":
                 self.matchers.pop(msg[1], None)
 
-    def _step(self, n: int, m: int, index: int, rows: int, words: int, seq: int) -> tuple:
+    def _step(self, n: int, m: int, index: int, rows: int, words: int, seq: int) -> bytes:
         try:
             return self._run_step(n, m, index, rows, words)
         finally:
             # After the masks (and the rejected indices): the GPU copies them once it sees this.
             self.fences[index] = seq
 
-    def _run_step(self, n: int, m: int, index: int, rows: int, words: int) -> tuple:
+    def _run_step(self, n: int, m: int, index: int, rows: int, words: int) -> bytes:
         start = time.perf_counter()
         try:
             a = self.arrays
-            accepts = [(self.matchers[s], t)
-                       for s, t in zip(a["acc_slot"][:n].tolist(), a["acc_tok"][:n].tolist())]
-            fills = [(j, self.matchers[s])
-                     for j, s in zip(a["fill_row"][:m].tolist(), a["fill_slot"][:m].tolist())]
+            job = StepJob(a["acc_slot"][:n], a["acc_tok"][:n], a["fill_row"][:m],
+                          a["fill_slot"][:m])
             bits = self.masks[index][:rows * words].view(rows, words)
-            rejected = run_job(self.backend, accepts, fills, bits)
+            rejected = run_job(self.backend, self.matchers, job, bits)
             a["rejected"][:len(rejected)] = rejected
-            return ("done", len(rejected), time.perf_counter() - start)
+            return DONE.pack(b"D", len(rejected), time.perf_counter() - start)
         except Exception as e:  # noqa: BLE001 - reported to the engine, which raises it
-            return ("error", f"{type(e).__name__}: {e}")
+            return pickle.dumps(("error", f"{type(e).__name__}: {e}"))
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from photon.attention.backend import AttentionMetadata, ForwardContext, create_backend
@@ -23,8 +24,10 @@ from photon.engine.request import Request
 from photon.engine.scheduler import CommittedToken, ScheduledRow, SchedulerOutput
 from photon.model.loader import load_model
 from photon.structured.backend import bitmask_width
-from photon.structured.bitmask import TokenMask, grammar_rows, mask_numel, mask_views
+from photon.structured.bitmask import TokenMask, mask_numel
+from photon.structured.executor import StepJob
 from photon.structured.manager import RequestGrammar, StructuredOutputManager
+from photon.structured.rows import GrammarRows, StepFills
 from photon.worker.cuda_graph import DecodeGraphs, pad_decode_arrays
 from photon.worker.decode_inputs import RowState, build_decode_arrays, is_plain_decode
 from photon.worker.inputs import StepArrays, build_step_arrays
@@ -39,6 +42,7 @@ _INT_FIELDS = ("positions", "pool_idx", "slot_mapping", "write_idx", "write_ids"
                "ban_tokens")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
 CPU_DEFAULT_KV_BYTES = 256 << 20
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -61,6 +65,14 @@ class StepHandle:
     max_logprobs: int = -1
     marks: StepMarks | None = None  # set only while a StepProbe is attached (benchmarks)
     masks: TokenMask | None = None  # host views of its grammar masks, once their job was submitted
+    fills: StepFills | None = None  # its grammar rows (they accept its tokens at its commit)
+
+    @property
+    def sampling_rows(self) -> list[ScheduledRow]:
+        """The rows that sample, in sampling order (all of a decode step's)."""
+        if len(self.arrays.sample_rows) == len(self.rows):
+            return self.rows
+        return [self.rows[i] for i in self.arrays.sample_rows]
 
 
 class ModelRunner:
@@ -101,6 +113,7 @@ class ModelRunner:
         self._grammar_pending = False  # a job was submitted and its result not collected yet
         self._grammar_rejected: list[RequestGrammar] = []  # collected, not yet handed on
         self._grammar_lost: str | None = None  # why the executor failed, not yet handed on
+        self._grammar_rows: GrammarRows | None = None  # with the first grammar request
         self.probe: StepProbe | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -152,6 +165,17 @@ class ModelRunner:
             if req.pool_row is None:
                 req.pool_row = self.free_pool_rows.pop()
                 self.row_state.assign(req.pool_row, req)
+                if req.grammar is not None or self._grammar_rows is not None:
+                    self.grammar_rows.assign(req.pool_row, req)
+
+    @property
+    def grammar_rows(self) -> GrammarRows:
+        if self._grammar_rows is None:
+            assert self.structured is not None, "a grammar request reached a runner without grammars"
+            backend = self.structured.backend
+            self._grammar_rows = GrammarRows(self.num_pool_rows, backend.stop_token_ids,
+                                             backend.mask_words)
+        return self._grammar_rows
 
     def release(self, req: Request) -> None:
         if req.pool_row is not None:
@@ -220,25 +244,30 @@ class ModelRunner:
         return self.model(input_ids, dev["positions"], ctx)
 
     # ---- finalize -----------------------------------------------------------------------------
-    def begin_grammar_step(self, accepts: list[tuple[RequestGrammar, int]],
-                           h: StepHandle | None) -> None:
-        """Submit one grammar job: the matchers accept commit(t)'s tokens, then fill the masks of
-        `h`'s grammar rows (step t+1). The pipelined loop calls it right after commit(t)'s wait;
-        the job runs (in the grammar worker) while the engine thread appends and plans."""
+    def begin_grammar_step(self, committed: StepHandle | None, h: StepHandle | None) -> None:
+        """Submit one grammar job: the matchers accept the tokens of `committed` (step t, its
+        wait done), then fill the masks of `h`'s grammar rows (step t+1). The pipelined loop calls
+        it right after commit(t)'s wait; the job runs (in the grammar worker) while the engine
+        thread appends and plans."""
         assert not self._grammar_pending, "a grammar job was submitted before the last one ended"
-        for grammar, token_id in accepts:
-            grammar.note_token(token_id)  # before the fills' check that every token was handed on
-        fills: list[tuple[int, RequestGrammar]] = []
+        job = StepJob(_NONE, _NONE, _NONE, _NONE)
+        if committed is not None and committed.fills is not None:
+            tokens = committed.slot.out_i_host[:committed.num_sampled].numpy()
+            job.acc_handles, job.acc_tokens = self.grammar_rows.accept(
+                committed.fills, committed.sampling_rows, tokens)
         mask = None
         if h is not None and h.arrays.flags["any_grammar"]:
-            assert self.structured is not None, "a grammar row reached a runner without grammars"
-            n, words = h.num_sampled, self.structured.backend.mask_words
-            host = self.structured.executor.mask_buffer(h.slot.index, mask_numel(n, words))
-            mask = h.masks = mask_views(host, n, words)
-            fills = grammar_rows([h.rows[i] for i in h.arrays.sample_rows], mask)
-        if (accepts or fills) and self._grammar_lost is None:
+            n, table = h.num_sampled, self.grammar_rows
+            host = self.structured.executor.mask_buffer(h.slot.index,
+                                                        mask_numel(n, table.views.words))
+            mask = h.masks = table.views(host, n)
+            ints = h.arrays.ints
+            h.fills = table.fill(h.sampling_rows, ints["pool_rows"][:n], ints["counters"][:n],
+                                 mask)
+            job.fill_rows, job.fill_handles = h.fills.rows, h.fills.handles
+        if not job.empty and self._grammar_lost is None:
             try:
-                self.structured.submit(accepts, fills, mask, h.slot.index if h is not None else 0)
+                self.structured.submit(job, mask, h.slot.index if h is not None else 0)
                 self._grammar_pending = True
             except RuntimeError as e:  # finalize makes the masks allow-all (see _grammar_bitmask)
                 self._grammar_lost = str(e)
@@ -269,7 +298,7 @@ class ModelRunner:
         if not h.arrays.flags["any_grammar"]:
             return None
         if h.masks is None:  # blocking loop, or the first step: fill now
-            self.begin_grammar_step([], h)
+            self.begin_grammar_step(None, h)
         fence = None
         if self._grammar_pending and self.streams.word_wait is not None:
             fence = self.structured.executor.device_fence(h.slot.index)
@@ -277,8 +306,8 @@ class ModelRunner:
             self._collect_grammar_job()
         if self._grammar_lost is not None:  # no matcher filled them, or only part: unconstrained
             h.masks.flat.fill_(-1)  # (every grammar request fails at the next commit)
-        rows, words = h.masks.bits.shape
-        return mask_views(h.slot.upload_mask(self.streams, h.masks, fence), rows, words)
+        return self.grammar_rows.views(h.slot.upload_mask(self.streams, h.masks, fence),
+                                       h.num_sampled)
 
     def _sampling_batch(self, h: StepHandle) -> SamplingBatch:
         d, f = h.dev, h.arrays.flags

@@ -114,7 +114,7 @@ def test_late_worker_stalls_the_gpu_not_the_tokens(monkeypatch: pytest.MonkeyPat
     real_begin, real_finalize = runner.begin_grammar_step, runner.finalize
     state: dict = {"calls": 0, "stopped": None, "waiting": None}
 
-    def begin(accepts: list, h: object) -> None:
+    def begin(committed: object, h: object) -> None:
         state["calls"] += 1
         if state["stopped"] is None and state["calls"] >= 10 and h is not None \
                 and h.arrays.flags["any_grammar"]:
@@ -122,7 +122,7 @@ def test_late_worker_stalls_the_gpu_not_the_tokens(monkeypatch: pytest.MonkeyPat
             proc.send_signal(signal.SIGSTOP)
             threading.Timer(0.3, proc.send_signal, (signal.SIGCONT,)).start()
             state["stopped"] = h
-        real_begin(accepts, h)
+        real_begin(committed, h)
 
     def finalize(h: object) -> None:
         real_finalize(h)
