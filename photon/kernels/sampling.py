@@ -45,6 +45,12 @@ def _block(vocab: int) -> int:
     return min(4096, triton.next_power_of_2(max(vocab, 16)))
 
 
+# One program per row: at most B programs for ~132 SMs, so the draw's chunk loop is latency-bound;
+# 32 warps a program keep more loads in flight (H200, 151,936 ids, 32-256 rows: 84 -> 71 us
+# without a mask, 97 -> 74 us with one; docs/benchmarks.md, session 9).
+DRAW_WARPS = 32
+
+
 def _num_warps(block: int) -> int:
     return 4 if block <= 1024 else 8
 
@@ -255,9 +261,11 @@ def _gumbel_argmax_kernel(logits_ptr, stride, vocab, temp_ptr, keys_ptr, counter
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < vocab
-        if HAS_MASK:  # a token the grammar forbids is never loaded: it scores -inf
-            mask = mask & _allowed(bits_ptr + row.to(tl.int64) * words, tail, cols, covered)
+        # The logits load does not wait for the mask words (one program per row: a dependent
+        # load would add its latency to every chunk); a forbidden token scores -inf below.
         x = tl.load(row_ptr + cols, mask=mask, other=float("-inf"))
+        if HAS_MASK:
+            mask = mask & _allowed(bits_ptr + row.to(tl.int64) * words, tail, cols, covered)
         s = _div(x, temp)
         score = tl.where(s >= thr, s + _gumbel(_bits(seed, cols)), float("-inf"))
         score = tl.where(greedy, x, score)
@@ -332,7 +340,7 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
         threshold if threshold is not None else temperature, out, greedy_eps,
         bits, tail, words, min(vocab, 32 * words),
         HAS_THRESHOLD=threshold is not None, HAS_MASK=mask is not None, BLOCK=block,
-        num_warps=_num_warps(block))
+        num_warps=DRAW_WARPS)
     return out
 
 
