@@ -443,6 +443,31 @@ def test_worker_reports_rejections_and_fills_live_rows(llm: LLM) -> None:
     assert torch.equal(mask.bits[0], expected[0]) and not (mask.bits[0] == -1).all()
 
 
+def test_handle_released_mid_job_is_reused_only_after_it(llm: LLM) -> None:
+    """A request can be released in the commit that submitted its last accept. Its matcher
+    handle is closed only once that job was waited for: a rejection in it maps to the released
+    grammar (never to a new sequence's), and a grammar opened meanwhile gets another handle."""
+    manager = llm.engine.structured
+    executor = manager.executor
+    spec = SO(json=SCHEMAS[0])
+    old = _ready(manager.request_grammar(spec))
+    open_before = executor.open_matchers
+    bad = llm.engine.tokenizer.encode("]")[0]  # a JSON object cannot start with it
+    manager.submit(StepJob(np.array([old.handle]), np.array([bad]), _NONE, _NONE), None, 0)
+    handle = old.handle
+    old.release()
+    new = _ready(manager.request_grammar(spec))
+    assert new.handle != handle
+    assert manager.wait() == [old] and old.rejected and not new.rejected
+    assert executor.open_matchers == open_before  # old's handle closed after the job, new open
+    freed = (handle, new.handle)
+    new.release()
+    assert executor.open_matchers == open_before - 1
+    reused = _ready(manager.request_grammar(spec))
+    assert reused.handle in freed
+    reused.release()
+
+
 def test_worker_fence_words_follow_jobs(llm: LLM) -> None:
     """Each job sets its mask buffer's fence word to the job's number once it is done, also when
     it failed (the GPU waits on that word), and a dead worker's words are set by the engine side

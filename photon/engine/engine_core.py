@@ -255,10 +255,13 @@ class EngineCore:
 
     # ---- drain checks -------------------------------------------------------------------------
     def assert_drained(self) -> None:
-        """Invariant after a drain: no request alive, every KV block unreferenced, no pool row."""
+        """Invariant after a drain: no request alive, every KV block unreferenced, no pool row, no
+        open grammar matcher."""
         assert not self.scheduler.has_unfinished(), "requests still running or waiting"
         assert self.pipeline.idle, "a step is still in flight"
         assert self.scheduler.num_unreleased == 0, "finalized requests not yet released"
         assert self.kv.num_used_blocks == 0, f"{self.kv.num_used_blocks} KV blocks still held"
         assert len(self.runner.free_pool_rows) == self.runner.num_pool_rows, "pool rows leaked"
+        if self.structured is not None and self.structured.started:
+            assert self.structured.executor.open_matchers == 0, "grammar matchers leaked"
         self.kv.check_invariants()

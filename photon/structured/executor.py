@@ -51,6 +51,10 @@ class GrammarExecutor(Protocol):
     def close(self, handle: int) -> None:
         """The matcher's sequence is released: no job refers to it any more."""
 
+    @property
+    def open_matchers(self) -> int:
+        """Matchers opened and not closed (0 after a drain)."""
+
     def mask_buffer(self, index: int, numel: int) -> torch.Tensor:
         """Host int32 buffer `index` (one per pipeline slot), at least `numel` long."""
 
@@ -104,6 +108,10 @@ class Handles:
     def give(self, handle: int) -> None:
         self._free.append(handle)
 
+    @property
+    def in_use(self) -> int:
+        return self._next - len(self._free)
+
 
 class JobClock:
     """Time in step jobs: the total, and the latest jobs one by one (bench structured reports
@@ -147,6 +155,10 @@ class InlineExecutor:
     def close(self, handle: int) -> None:
         del self._matchers[handle]
         self._handles.give(handle)
+
+    @property
+    def open_matchers(self) -> int:
+        return self._handles.in_use
 
     def mask_buffer(self, index: int, numel: int) -> torch.Tensor:
         buf = self._buffers.get(index)

@@ -51,6 +51,8 @@ class StructuredOutputManager:
         self.fill_threads = fill_threads
         self.worker, self.max_rows, self.cuda = worker, max_rows, cuda
         self._submitted: list[int] = []  # the handles that accept in the job in flight
+        self._in_flight = False  # a job was submitted and not waited for
+        self._closing: list[int] = []  # released while a job was in flight: closed after it
         # By handle (engine thread only); weak: no cycle back to the manager, so a dropped engine
         # ends its worker without waiting for the garbage collector.
         self.open_grammars: weakref.WeakValueDictionary[int, RequestGrammar] = \
@@ -69,6 +71,11 @@ class StructuredOutputManager:
             self._backend = create_backend(self.backend_name, self.tokenizer, self.vocab_size,
                                            self.fill_threads)
         return self._backend
+
+    @property
+    def started(self) -> bool:
+        """Whether the executor exists (it is created with the first grammar)."""
+        return self._executor is not None
 
     @property
     def executor(self) -> GrammarExecutor:
@@ -125,14 +132,38 @@ class StructuredOutputManager:
         executor's mask buffer `index`."""
         self.executor.submit(job, mask, index)
         self._submitted = job.acc_handles.tolist()
+        self._in_flight = True
 
     def wait(self) -> list[RequestGrammar]:
         """Until the submitted job is done; the grammars that rejected their token."""
-        rejected = [self.open_grammars[self._submitted[i]] for i in self.executor.wait()]
-        self._submitted = []
+        self._in_flight = False
+        try:
+            found = (self.open_grammars.get(self._submitted[i]) for i in self.executor.wait())
+            rejected = [g for g in found if g is not None]  # None: its request is gone
+        finally:
+            self._submitted = []
+            self._close_pending()
         for grammar in rejected:
             grammar.rejected = True
         return rejected
+
+    def close(self, handle: int) -> None:
+        """A sequence is done with its matcher. While a job is in flight the handle is closed
+        only after it: that job may still accept the sequence's last token (a request can be
+        released in the commit that submitted it), and its rejections map back through the
+        handle, which must not be reused by another sequence before then."""
+        self._closing.append(handle)
+        if not self._in_flight:
+            self._close_pending()
+
+    def _close_pending(self) -> None:
+        for handle in self._closing:
+            self.open_grammars.pop(handle, None)
+            try:
+                self.executor.close(handle)
+            except RuntimeError:
+                pass  # the grammar worker is gone, and its matchers with it
+        self._closing = []
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -179,11 +210,7 @@ class RequestGrammar:
         return True
 
     def release(self) -> None:
-        """The sequence is done and no job refers to its matcher any more."""
+        """The sequence is done: no step in flight samples for it any more."""
         if self.handle is not None:
-            self.manager.open_grammars.pop(self.handle, None)
-            try:
-                self.manager.executor.close(self.handle)
-            except RuntimeError:
-                pass  # the grammar worker is gone, and its matchers with it
+            self.manager.close(self.handle)
             self.handle = None

@@ -157,8 +157,12 @@ class ProcessExecutor:
         return handle
 
     def close(self, handle: int) -> None:
+        self._handles.give(handle)  # first: with the worker gone, the send raises
         self._send(("close", handle))
-        self._handles.give(handle)
+
+    @property
+    def open_matchers(self) -> int:
+        return self._handles.in_use
 
     def mask_buffer(self, index: int, numel: int) -> torch.Tensor:
         assert numel <= self.layout.mask_numel, "mask larger than the shared buffer"
