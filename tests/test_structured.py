@@ -434,7 +434,7 @@ def test_worker_reports_rejections_and_fills_live_rows(llm: LLM) -> None:
     fills = table.fill(rows, np.arange(2), np.ones(2, dtype=np.int64), mask)
     assert fills.rows.tolist() == [0, 1]  # a rejection shows only once the job ran
     manager.submit(StepJob(*acc, fills.rows, fills.handles), mask, 1)
-    assert manager.wait() == [bad] and bad.rejected and not good.rejected
+    assert manager.wait() == [bad]
     assert (mask.bits[1] == -1).all()
     reference = manager.backend.matcher(good.future.result())
     assert reference.accept(first)
@@ -458,7 +458,7 @@ def test_handle_released_mid_job_is_reused_only_after_it(llm: LLM) -> None:
     old.release()
     new = _ready(manager.request_grammar(spec))
     assert new.handle != handle
-    assert manager.wait() == [old] and old.rejected and not new.rejected
+    assert manager.wait() == [old]
     assert executor.open_matchers == open_before  # old's handle closed after the job, new open
     freed = (handle, new.handle)
     new.release()
@@ -555,7 +555,6 @@ def test_grammar_worker_lifecycle() -> None:
     """The worker process starts with the first grammar; a dropped engine ends it (no reference
     cycle keeps the executor alive), shutdown() ends it at once, and once it died a new grammar
     request fails with a clear error (not a hang) while plain requests are still served."""
-    import gc
 
     from photon.engine.async_engine import AsyncEngine
 
@@ -567,8 +566,7 @@ def test_grammar_worker_lifecycle() -> None:
         return llm, llm.engine.structured.executor.proc
 
     llm, proc = started()
-    del llm
-    gc.collect()
+    del llm  # no gc.collect(): a reference cycle would keep the worker running
     assert proc.wait(timeout=30) == 0
     llm, proc = started()
     AsyncEngine(llm.engine).shutdown()

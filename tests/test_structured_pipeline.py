@@ -102,7 +102,8 @@ def test_grammar_rows_on_threads_equal_serial() -> None:
                   abort_after=5 if i % 7 == 0 else None)
              for i in range(32)]
     kw = dict(block_size=8, max_num_seqs=32)
-    serial, _ = run(_engine(True, structured_outputs_worker="inline", **kw), specs)
+    serial, _ = run(_engine(True, structured_outputs_threads=1, structured_outputs_worker="inline",
+                            **kw), specs)
     assert run(_engine(True, **kw), specs)[0] == serial  # the grammar-worker process (default)
     engine = _engine(True, structured_outputs_threads=4, structured_outputs_worker="inline", **kw)
     assert engine.engine.structured.fill_threads == 4

@@ -41,21 +41,28 @@ def _profile(core: EngineCore, prompts: list[list[int]], params: list[SamplingPa
     return own_cum, steps, wall
 
 
+def _engine(shape: str, batch: int) -> EngineCore:
+    """The shape with random weights (shrunk to one small layer without a GPU); the engine keeps
+    what it needs, so the directory goes right after."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = materialize_shape(shape, tmp)
+        if not torch.cuda.is_available():
+            cfg_path = os.path.join(path, "config.json")
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f) | SMALL
+            with open(cfg_path, "w", encoding="utf-8") as f:
+                json.dump(cfg, f)
+        return LLM(model=path, load_format="dummy", max_num_seqs=batch,
+                   max_model_len=1200).engine
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--shape", default="qwen3-0.6b")
     p.add_argument("--top", type=int, default=45)
     ns = p.parse_args()
-    tmp = tempfile.mkdtemp()
-    path = materialize_shape(ns.shape, tmp)
-    if not torch.cuda.is_available():
-        cfg_path = os.path.join(path, "config.json")
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f) | SMALL
-        with open(cfg_path, "w", encoding="utf-8") as f:
-            json.dump(cfg, f)
-    core = LLM(model=path, load_format="dummy", max_num_seqs=ns.batch, max_model_len=1200).engine
+    core = _engine(ns.shape, ns.batch)
     prompts, params = grammar_batch(ns.batch, SCHEMAS["records"], 64, 1024)
     warm_up(core, prompts, params)
     lengths, _, _ = run_batch(core, prompts, params)  # warm: every shape compiled

@@ -16,17 +16,23 @@ BLOCK = 2048
 
 
 @triton.jit
+def allowed(bits_row_ptr, tail, cols, covered):
+    """Whether the grammar mask of one row allows token ids `cols`: bit `cols % 32` of word
+    `cols // 32` for ids below `covered`, the row's `tail` flag for the ids past them."""
+    in_bits = cols < covered
+    w = tl.load(bits_row_ptr + cols // 32, mask=in_bits, other=0)
+    tail_ok = (cols * 0 + tail) != 0
+    return (in_bits & (((w >> (cols % 32)) & 1) != 0)) | (~in_bits & tail_ok)
+
+
+@triton.jit
 def _apply_bitmask_kernel(logits_ptr, bits_ptr, tail_ptr, vocab, covered, logits_stride,
                           words, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < vocab
-    in_bits = offs < covered
-    w = tl.load(bits_ptr + row * words + offs // 32, mask=in_bits, other=0)
-    tail = tl.load(tail_ptr + row)
-    tail_ok = (offs * 0 + tail) != 0
-    allowed = (in_bits & (((w >> (offs % 32)) & 1) != 0)) | (~in_bits & tail_ok)
-    tl.store(logits_ptr + row * logits_stride + offs, float("-inf"), mask=inside & ~allowed)
+    ok = allowed(bits_ptr + row * words, tl.load(tail_ptr + row), offs, covered)
+    tl.store(logits_ptr + row * logits_stride + offs, float("-inf"), mask=inside & ~ok)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from photon.kernels.bitmask import allowed
 from photon.structured.bitmask import TokenMask
 
 # Hash constants: must equal those in photon/worker/sampler.py (tests check the bits).
@@ -228,16 +229,6 @@ def _threshold_kernel(logits_ptr, stride, vocab, temp_ptr, top_k_ptr, top_p_ptr,
     tl.store(out_ptr + row, thr)
 
 
-@triton.jit
-def _allowed(bits_row_ptr, tail, cols, covered):
-    """Grammar mask (photon.structured.bitmask layout) of one row at token ids `cols`; `tail`:
-    the row's flag for ids past its words."""
-    in_bits = cols < covered
-    w = tl.load(bits_row_ptr + cols // 32, mask=in_bits, other=0)
-    tail_ok = (cols * 0 + tail) != 0
-    return (in_bits & (((w >> (cols % 32)) & 1) != 0)) | (~in_bits & tail_ok)
-
-
 @triton.jit(do_not_specialize_on_alignment=["temp_ptr", "keys_ptr", "counters_ptr", "thr_ptr",
                                             "out_ptr", "bits_ptr", "tail_ptr"])
 def _gumbel_argmax_kernel(logits_ptr, stride, vocab, temp_ptr, keys_ptr, counters_ptr, thr_ptr,
@@ -265,7 +256,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, vocab, temp_ptr, keys_ptr, counter
         # load would add its latency to every chunk); a forbidden token scores -inf below.
         x = tl.load(row_ptr + cols, mask=mask, other=float("-inf"))
         if HAS_MASK:
-            mask = mask & _allowed(bits_ptr + row.to(tl.int64) * words, tail, cols, covered)
+            mask = mask & allowed(bits_ptr + row.to(tl.int64) * words, tail, cols, covered)
         s = _div(x, temp)
         score = tl.where(s >= thr, s + _gumbel(_bits(seed, cols)), float("-inf"))
         score = tl.where(greedy, x, score)

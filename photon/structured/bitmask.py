@@ -29,10 +29,6 @@ class TokenMask:
     flat: torch.Tensor | None = None  # both, and the padding between them: one copy moves all
     _arrays: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
-    @property
-    def numel(self) -> int:
-        return self.bits.numel() + self.tail.numel()
-
     def host_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """numpy views of (bits, tail) of a host mask."""
         if self._arrays is None:

@@ -21,6 +21,8 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
+
 from photon.structured.backend import GrammarBackend, GrammarError, create_backend
 from photon.structured.bitmask import TokenMask
 from photon.structured.executor import GrammarExecutor, InlineExecutor, StepJob
@@ -50,7 +52,7 @@ class StructuredOutputManager:
         # The backend's threads for a step's mask fills (in whichever process fills).
         self.fill_threads = fill_threads
         self.worker, self.max_rows, self.cuda = worker, max_rows, cuda
-        self._submitted: list[int] = []  # the handles that accept in the job in flight
+        self._submitted = np.zeros(0, dtype=np.int64)  # the handles that accept in the job in flight
         self._in_flight = False  # a job was submitted and not waited for
         self._closing: list[int] = []  # released while a job was in flight: closed after it
         # By handle (engine thread only); weak: no cycle back to the manager, so a dropped engine
@@ -131,21 +133,22 @@ class StructuredOutputManager:
         grammar rows into `mask` (the other rows were set by `GrammarRows.fill`), a view of the
         executor's mask buffer `index`."""
         self.executor.submit(job, mask, index)
-        self._submitted = job.acc_handles.tolist()
+        self._submitted = job.acc_handles  # read only if a token is rejected
         self._in_flight = True
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a submitted job was not waited for yet."""
+        return self._in_flight
 
     def wait(self) -> list[RequestGrammar]:
         """Until the submitted job is done; the grammars that rejected their token."""
         self._in_flight = False
         try:
-            found = (self.open_grammars.get(self._submitted[i]) for i in self.executor.wait())
-            rejected = [g for g in found if g is not None]  # None: its request is gone
+            found = (self.open_grammars.get(int(self._submitted[i])) for i in self.executor.wait())
+            return [g for g in found if g is not None]  # None: its request is gone
         finally:
-            self._submitted = []
             self._close_pending()
-        for grammar in rejected:
-            grammar.rejected = True
-        return rejected
 
     def close(self, handle: int) -> None:
         """A sequence is done with its matcher. While a job is in flight the handle is closed
@@ -182,7 +185,6 @@ class RequestGrammar:
         self.deadline = deadline
         self.handle: int | None = None  # the executor's matcher handle, once compiled
         self.terminated = False  # its stop token was committed: no more tokens
-        self.rejected = False  # the matcher refused a committed token (an engine bug)
 
     def poll(self) -> bool:
         """True once the matcher is ready; False while compiling (or while the grammar worker

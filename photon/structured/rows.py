@@ -1,4 +1,4 @@
-"""Which rows of a step a grammar job touches, without per-row Python on the engine thread.
+"""Which rows of a step a grammar job touches, in numpy on the engine thread.
 
 `GrammarRows` (owned by the model runner, like `RowState`) keeps two columns per token-pool row:
 the matcher handle of the row's request (-1: no grammar, or a grammar that ended) and how many of
@@ -7,7 +7,8 @@ when its masks are built (`fill`): which sampling rows its grammar job fills, fr
 The same rows, less those finalized meanwhile (zombies), are the matchers that accept the step's
 tokens at its commit (`accept`): a row filled for step t samples under that mask, so its token is
 the one its matcher must take next. A terminated grammar (its stop token accepted) fills nothing
-after; zombie rows neither accept nor fill.
+after; zombie rows neither accept nor fill. The one per-row Python left is reading each grammar
+row's `request.finalized` (the scheduler's state) at fill and at accept.
 
 Invariant (checked at every fill): a grammar row's mask is built only once every output before
 its `out_index` was handed to its matcher.
@@ -85,7 +86,7 @@ class GrammarRows:
         live = np.fromiter((not srows[j].request.finalized for j in fills.rows.tolist()),
                            dtype=bool, count=fills.rows.size)
         rows, pool_rows = fills.rows[live], fills.pool_rows[live]
-        toks = tokens[rows].astype(np.int64)
+        toks = tokens[rows]  # fancy indexing copies: the slot's buffer is reused at t+2
         self.sent[pool_rows] += 1
         ended = (toks[:, None] == self.stops).any(axis=1)  # a few stop ids: cheaper than isin
         for k in np.flatnonzero(ended).tolist():

@@ -1,6 +1,6 @@
 """The grammar-worker process: matchers, accepts and mask fills beside the engine thread.
 
-`ProcessExecutor` (engine side) starts `python -m photon.structured.worker` with two inherited file
+`ProcessExecutor` (engine side) starts `python -m photon.structured.worker` with three inherited file
 descriptors: a socket for messages, a file with the engine's tokenizer, and a shared-memory file for
 a step's arrays and both pipeline slots' mask buffers (registered with CUDA on the engine side,
 so their H2D copies are asynchronous). A fresh interpreter, not multiprocessing: it never re-imports the user's script.
@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from photon.structured.bitmask import TokenMask, mask_numel
+from photon.structured.bitmask import TokenMask, mask_numel, mask_views
 from photon.structured.executor import Handles, JobClock, StepJob, run_job
 from photon.tokenizer import Tokenizer
 
@@ -71,6 +71,11 @@ class SharedLayout:
         masks = [flat[start + i * self.mask_numel:start + (i + 1) * self.mask_numel]
                  for i in range(2)]
         return arrays, masks
+
+    @staticmethod
+    def fences(arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """The two fence words (one per mask buffer), unsigned: job numbers wrap at 2**32."""
+        return arrays["fence"][:2].view(np.uint32)
 
 
 # ------------------------------------------------------------------------------ engine side
@@ -212,7 +217,7 @@ class SharedFile:
         os.ftruncate(self.file.fileno(), layout.nbytes)
         self.mem = mmap.mmap(self.file.fileno(), layout.nbytes)
         self.arrays, self.masks = layout.views(self.mem)
-        self.fences = self.arrays["fence"][:2].view(np.uint32)
+        self.fences = SharedLayout.fences(self.arrays)
         self.fence_values = [0, 0]  # per mask buffer: the number of the last job that fills it
         self.registered = _cuda_register(self.arrays["acc_slot"], layout.nbytes) if cuda \
             else False
@@ -298,7 +303,7 @@ class Worker:
         layout = SharedLayout(ns.max_rows, ns.words)
         self._mem = mmap.mmap(ns.mem, layout.nbytes)
         self.arrays, self.masks = layout.views(self._mem)
-        self.fences = self.arrays["fence"][:2].view(np.uint32)
+        self.fences = SharedLayout.fences(self.arrays)
         with os.fdopen(ns.init, "rb") as f:
             tokenizer = pickle.load(f)  # written by this package's engine: trusted
         self.backend = create_backend(ns.backend, tokenizer, ns.vocab_size, ns.threads)
@@ -342,7 +347,7 @@ class Worker:
             a = self.arrays
             job = StepJob(a["acc_slot"][:n], a["acc_tok"][:n], a["fill_row"][:m],
                           a["fill_slot"][:m])
-            bits = self.masks[index][:rows * words].view(rows, words)
+            bits = mask_views(self.masks[index], rows, words).bits
             rejected = run_job(self.backend, self.matchers, job, bits)
             a["rejected"][:len(rejected)] = rejected
             return DONE.pack(b"D", len(rejected), time.perf_counter() - start)

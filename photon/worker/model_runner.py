@@ -1,8 +1,10 @@
 """ModelRunner: owns every device tensor, stream and event.
 
-launch(plan)  -> stage the step's inputs into the free slot and enqueue the forward (returns a handle)
+prepare(plan) -> build the step's inputs and stage them into the free slot's pinned buffers (host)
+launch(prep)  -> enqueue their H2D and the forward (returns a handle)
 finalize(h)   -> sample on the compute stream, write tokens into the device token pool, enqueue D2H
 wait(h)       -> the commit's host sync; returns the sampled tokens as Python values
+begin_grammar_step / end_grammar_step -> submit and collect a step's grammar job (accepts, masks)
 
 The device token pool `[rows, max_model_len + 1]` holds every known token of every live request.
 The sampler writes token t there, and forward t+1 reads its decode inputs from it, so a sampled token
@@ -79,7 +81,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig,
                  structured: StructuredOutputManager | None = None) -> None:
         self.config = config
-        self.structured = structured  # its backend fills grammar masks (steps with a grammar)
+        self.structured = structured  # its executor fills grammar masks (steps with a grammar)
         self.device = torch.device(config.device)
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
@@ -110,7 +112,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.step_count = 0
         self.grammar_wait_s = 0.0  # engine-thread time waiting for grammar jobs (bench structured)
-        self._grammar_pending = False  # a job was submitted and its result not collected yet
         self._grammar_rejected: list[RequestGrammar] = []  # collected, not yet handed on
         self._grammar_lost: str | None = None  # why the executor failed, not yet handed on
         self._grammar_rows: GrammarRows | None = None  # with the first grammar request
@@ -248,10 +249,13 @@ class ModelRunner:
         """Submit one grammar job: the matchers accept the tokens of `committed` (step t, its
         wait done), then fill the masks of `h`'s grammar rows (step t+1). The pipelined loop calls
         it right after commit(t)'s wait; the job runs (in the grammar worker) while the engine
-        thread appends and plans."""
+        thread appends and plans. Steps without grammar rows return at once."""
+        accepting = committed is not None and committed.fills is not None
+        if not accepting and (h is None or not h.arrays.flags["any_grammar"]):
+            return
         assert not self._grammar_pending, "a grammar job was submitted before the last one ended"
         job = StepJob(_NONE, _NONE, _NONE, _NONE)
-        if committed is not None and committed.fills is not None:
+        if accepting:
             tokens = committed.slot.out_i_host[:committed.num_sampled].numpy()
             job.acc_handles, job.acc_tokens = self.grammar_rows.accept(
                 committed.fills, committed.sampling_rows, tokens)
@@ -268,9 +272,13 @@ class ModelRunner:
         if not job.empty and self._grammar_lost is None:
             try:
                 self.structured.submit(job, mask, h.slot.index if h is not None else 0)
-                self._grammar_pending = True
             except RuntimeError as e:  # finalize makes the masks allow-all (see _grammar_bitmask)
                 self._grammar_lost = str(e)
+
+    @property
+    def _grammar_pending(self) -> bool:
+        """A job was submitted and its result not collected yet (the manager's state)."""
+        return self.structured is not None and self.structured.in_flight
 
     def end_grammar_step(self) -> tuple[list[RequestGrammar], str | None]:
         """Wait for the submitted grammar job if finalize did not; the grammars that rejected
@@ -284,7 +292,6 @@ class ModelRunner:
     def _collect_grammar_job(self) -> None:
         if not self._grammar_pending:
             return
-        self._grammar_pending = False
         start = time.perf_counter()
         try:
             self._grammar_rejected += self.structured.wait()
@@ -293,7 +300,8 @@ class ModelRunner:
         self.grammar_wait_s += time.perf_counter() - start
 
     def _grammar_bitmask(self, h: StepHandle) -> TokenMask | None:
-        """The step's masks on the device (their fill done), H2D enqueued. None for steps without
+        """The step's masks on the device (their fill fenced: on CUDA with the grammar worker, the
+        GPU waits for it, not the engine thread), H2D enqueued. None for steps without
         a grammar row (a host flag): plain steps pay nothing."""
         if not h.arrays.flags["any_grammar"]:
             return None
