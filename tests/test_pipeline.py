@@ -1,4 +1,5 @@
-"""Pipelined (depth 2) and blocking (depth 1) give identical tokens and finish reasons, and the
+"""Pipelined (depth 2) and blocking (depth 1) plan identical schedules (the same rows, prefix-cache
+hits and preemptions at every step) and give identical tokens and finish reasons, and the
 zombie/release invariants hold: no token after finalize, no release while in flight, all free
 after drain."""
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from photon import LLM, SamplingParams
 from photon.engine.engine_core import EngineCore
 from photon.engine.request import Request
-from photon.engine.scheduler import CommittedToken, ScheduledRow
+from photon.engine.scheduler import CommittedToken, ScheduledRow, SchedulerOutput
 
 
 @dataclass
@@ -32,10 +33,19 @@ class Audit:
     final_len: dict[str, int] = field(default_factory=dict)
     zombie_rows: int = 0
     releases: int = 0
+    # Every plan: (request id, first position, tokens, samples) per row; the first row of an
+    # admitted request starts at its prefix-cache hit.
+    schedule: list[tuple[tuple[str, int, int, bool], ...]] = field(default_factory=list)
 
     def install(self) -> None:
         sched, kv = self.core.scheduler, self.core.kv
-        orig_commit, orig_free, orig_add = sched.commit, kv.free, sched.add
+        orig_commit, orig_free, orig_add, orig_plan = sched.commit, kv.free, sched.add, sched.plan
+
+        def plan() -> SchedulerOutput:
+            out = orig_plan()
+            self.schedule.append(tuple((r.request.request_id, r.start, r.num_tokens, r.sample)
+                                       for r in out.rows))
+            return out
 
         def add(req: Request) -> None:
             self.requests[req.request_id] = req
@@ -56,7 +66,7 @@ class Audit:
             self.releases += 1
             orig_free(request_id)
 
-        sched.add, sched.commit, kv.free = add, commit, free
+        sched.add, sched.commit, kv.free, sched.plan = add, commit, free, plan
 
 
 def run(llm: LLM, specs: list[Spec], eos: frozenset[int] | None = None) -> tuple[dict, Audit]:
@@ -121,23 +131,63 @@ def test_pipelined_equals_blocking_on_mixed_workload() -> None:
     blocking, audit_b = run(_engine(False, **kw), specs, eos)
     pipelined, audit_p = run(_engine(True, **kw), specs, eos)
     assert pipelined == blocking
+    assert audit_p.schedule == audit_b.schedule
     assert blocking["r8"][0][1] == "stop" and len(blocking["r8"][0][0]) <= 6
     assert blocking["r3"][0] == (blocking["r3"][0][0], "length") and len(blocking["r3"][0][0]) == 1
     assert blocking["r6"][0][1] == "abort" and len(blocking["r6"][0][0]) == 3
     assert blocking["r7"][0][1] == "abort" and len(blocking["r7"][0][0]) == 9
     assert len({tuple(t) for t, _ in blocking["r2"]}) == 3
-    assert audit_p.zombie_rows > 0 and audit_b.zombie_rows == 0
+    assert audit_p.zombie_rows == audit_b.zombie_rows > 0  # the same schedule, zombies included
     assert audit_p.core.scheduler.num_preemptions > 0  # the small cache forced preemption
 
 
+def _shared_prefix_specs() -> list[Spec]:
+    """Requests on four shared prefixes, admitted a few at a time (max_num_seqs=3, a small token
+    budget): each one finds as much of its prefix cached as its predecessors had published when it
+    was admitted, so the hits depend on the step at which each block became visible."""
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(3, 1000) for _ in range(n)] for n in (9, 18, 31, 44)]
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=21, max_tokens=8, ignore_eos=True),
+        SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=9, repetition_penalty=1.2, frequency_penalty=0.3),
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[17, 18, 19]),
+    ]
+    return [Spec(prefixes[i % 4] + [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 9))],
+                 kinds[i % len(kinds)]) for i in range(20)]
+
+
+def test_pipelined_equals_blocking_with_shared_prefixes() -> None:
+    """Prefix-cache hits are identical in both loops: same schedule, same tokens."""
+    specs = _shared_prefix_specs()
+    kw = dict(block_size=4, max_num_batched_tokens=32, max_num_seqs=3)
+    blocking, audit_b = run(_engine(False, **kw), specs)
+    pipelined, audit_p = run(_engine(True, **kw), specs)
+    assert audit_p.schedule == audit_b.schedule
+    assert pipelined == blocking
+    first_start: dict[str, int] = {}
+    for rows in audit_b.schedule:
+        for rid, start, _, _ in rows:
+            first_start.setdefault(rid, start)
+    hits = [first_start[f"r{i}" if s.params.n == 1 else f"r{i}-0"] for i, s in enumerate(specs)]
+    assert sum(h > 0 for h in hits) >= 8  # most requests start from a cache hit ...
+    by_prefix = [{hits[i] for i in range(k, len(specs), 4)} for k in range(4)]
+    assert any(len(h) > 1 for h in by_prefix)  # ... of a length that depends on when they came
+
+
 _prompt = st.lists(st.integers(3, 1023), min_size=1, max_size=48)
+# Prompts on a few shared prefixes: prefix-cache hits whose length depends on admission order.
+_PREFIXES = [[(7 * i + 13 * j) % 1000 + 3 for j in range(n)] for i, n in enumerate((6, 13, 21))]
+_shared_prompt = st.builds(lambda k, tail: _PREFIXES[k] + tail, st.integers(0, 2),
+                           st.lists(st.integers(3, 1023), min_size=0, max_size=12))
 _spec = st.builds(
     lambda prompt, max_tokens, greedy, seed, stop_id, abort: Spec(
         prompt,
         SamplingParams(temperature=0 if greedy else 1.0, seed=seed, max_tokens=max_tokens,
                        stop_token_ids=[stop_id] if stop_id else None, ignore_eos=True),
         abort),
-    _prompt, st.integers(1, 16), st.booleans(), st.integers(0, 2**31),
+    st.one_of(_prompt, _shared_prompt), st.integers(1, 16), st.booleans(), st.integers(0, 2**31),
     st.one_of(st.none(), st.integers(3, 1023)), st.one_of(st.none(), st.integers(1, 8)))
 
 
@@ -148,8 +198,9 @@ def test_pipelined_equals_blocking_property(specs: list[Spec], block_size: int, 
                                             tight: bool) -> None:
     kw = dict(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=4,
               num_gpu_blocks_override=(64 // block_size) + 2 if tight else None)
-    blocking, _ = run(_engine(False, **kw), specs)
-    pipelined, _ = run(_engine(True, **kw), specs)
+    blocking, audit_b = run(_engine(False, **kw), specs)
+    pipelined, audit_p = run(_engine(True, **kw), specs)
+    assert audit_p.schedule == audit_b.schedule
     assert pipelined == blocking
 
 

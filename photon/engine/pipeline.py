@@ -15,8 +15,15 @@ The GPU runs forward t+1 while the host commits t and plans t+2, and the grammar
 both. Planning t+2 before finalizing t+1 changes nothing plan reads: finalize only enqueues device
 work. A grammar that rejected its token (an engine bug) aborts its request when the job is
 collected: by the next commit, before that commit's tokens count.
-Blocking (depth 1): plan, launch, finalize and commit each step in turn: the A/B baseline and the
-test oracle.
+
+Blocking (depth 1), the A/B baseline and the test oracle: one call is commit(t), launch(t+1),
+finalize(t+1), the host waits for t+1's tokens, plan(t+2). The GPU idles while the host commits
+and plans, but the scheduler sees exactly what it sees pipelined: plan(t+2) runs after commit(t)
+and before commit(t+1) in both loops, and each call returns the outputs of the same commit. So
+both loops plan the same batches (zombie rows included), admit each request at the same step and
+find the same prefix-cache hits: a block published at commit(t) is hittable from plan(t+2) in
+both. Equal schedules make equal tokens even where a cache hit and a recompute differ in the last
+bit (bf16 near-ties).
 """
 
 from __future__ import annotations
@@ -71,15 +78,25 @@ class Pipeline:
         return touched + self.scheduler.commit(committing.rows, tokens)
 
     def _step_blocking(self) -> list[Request]:
-        assert self.staged is None, "switch the depth only while the pipeline is idle"
-        prep = self._plan()
-        if prep is None:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("engine made no progress: nothing schedulable")
-            return []
-        handle = self.runner.launch(prep)
+        """The pipelined call's order of plan and commit, without the overlap (module docstring)."""
+        if self.staged is None:
+            self.staged = self._plan()
+        touched: list[Request] = []
+        committing = self.inflight.popleft() if self.inflight else None
+        if committing is not None:
+            touched += self._commit(committing, None)
+        touched += self._end_grammar_step()
+        if self.staged is None:
+            if committing is None and self.scheduler.has_unfinished():
+                raise RuntimeError("engine made no progress: nothing schedulable and nothing "
+                                   "in flight")
+            return touched
+        handle = self.runner.launch(self.staged)
         self.runner.finalize(handle)
-        return self._commit(handle, None) + self._end_grammar_step()
+        self.runner.sync(handle)  # the blocking wait: nothing is enqueued while the host works
+        self.staged = self._plan()
+        self.inflight.append(handle)
+        return touched
 
     def _plan(self) -> PreparedStep | None:
         plan = self.scheduler.plan()

@@ -3,7 +3,8 @@
 prepare(plan) -> build the step's inputs and stage them into the free slot's pinned buffers (host)
 launch(prep)  -> enqueue their H2D and the forward (returns a handle)
 finalize(h)   -> sample on the compute stream, write tokens into the device token pool, enqueue D2H
-wait(h)       -> the commit's host sync; returns the sampled tokens as Python values
+sync(h)       -> the commit's host sync (the blocking loop calls it right after finalize)
+wait(h)       -> sync, then the sampled tokens as Python values
 begin_grammar_step / end_grammar_step -> submit and collect a step's grammar job (accepts, masks)
 
 The device token pool `[rows, max_model_len + 1]` holds every known token of every live request.
@@ -357,14 +358,19 @@ class ModelRunner:
         h.slot.download(self.streams, h.num_sampled, k)
 
     # ---- commit's wait -----------------------------------------------------------------------
-    def wait(self, h: StepHandle) -> list[CommittedToken | None]:
-        result: list[CommittedToken | None] = [None] * len(h.rows)
+    def sync(self, h: StepHandle) -> None:
+        """Block the host until step `h`'s tokens are on the host (idempotent)."""
         if self.probe is not None:
             t0 = time.perf_counter()
             h.slot.wait()
             self.probe.wait_s += time.perf_counter() - t0
         else:
             h.slot.wait()
+
+    def wait(self, h: StepHandle) -> list[CommittedToken | None]:
+        """commit's wait: sync, then step `h`'s tokens (and logprobs) as Python values."""
+        result: list[CommittedToken | None] = [None] * len(h.rows)
+        self.sync(h)
         n, k = h.num_sampled, h.max_logprobs
         if n == 0:
             return result
