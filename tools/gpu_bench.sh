@@ -21,7 +21,7 @@
 #
 # Run it from the repository root with photon installed (pip install -e ".[test]"). The built-in
 # shapes have random weights and a byte-level BPE tokenizer trained at first use, so nothing is
-# downloaded; the llama-3.1-8b shape needs about 90 GB of GPU memory at the default settings.
+# downloaded. The llama-3.1-8b shape needs room for its 16 GB of bf16 weights plus a KV cache.
 # `structured` and the structured-outputs GPU tests need xgrammar (the tests also jsonschema).
 # Example: tools/gpu_bench.sh results/h200 env throughput
 set -uo pipefail
