@@ -11,8 +11,8 @@ from photon.bench.roofline import roofline_tok_per_s, shape_costs, simulate_deco
 from photon.bench.workload import fit_vocab, standard_workload, totals
 from photon.cli import main
 
-H200_BANDWIDTH = 4.23e12  # bytes/s, GPU.md
-H200_BF16_FLOPS = 790e12  # FLOP/s, GPU.md
+H200_BANDWIDTH = 4.23e12  # bytes/s: an H200's HBM read bandwidth
+H200_BF16_FLOPS = 790e12  # FLOP/s: an H200's dense bf16 matmul rate
 SMALL = ["--num-prompts", "6", "--input-len-range", "5", "20", "--output-len-range", "3", "9"]
 
 
@@ -24,7 +24,7 @@ def requests() -> list[tuple[int, int]]:
 def test_standard_workload_totals() -> None:
     workload = standard_workload()
     assert len(workload) == 256
-    assert totals(workload) == (142_827, 133_966)  # GPU.md's numbers
+    assert totals(workload) == (142_827, 133_966)  # the nano-vllm bench totals
     assert all(0 <= t <= 10_000 for ids, _ in workload for t in ids)
     assert standard_workload() == workload  # deterministic
 
@@ -44,8 +44,9 @@ def test_simulate_decode_counts() -> None:
     assert simulate_decode([(3, 2), (5, 1)], max_num_seqs=1).steps == 3
 
 
+# Reference rooflines of the standard workload on one H200 (decode bytes plus prefill FLOPs).
 @pytest.mark.parametrize(("shape", "expected"), [("qwen3-0.6b", 35_400), ("llama-3.1-8b", 12_700)])
-def test_roofline_matches_gpu_md(requests: list[tuple[int, int]], shape: str,
+def test_roofline_matches_reference_figures(requests: list[tuple[int, int]], shape: str,
                                  expected: float) -> None:
     roof = roofline_tok_per_s(requests, shape_costs(shape), H200_BANDWIDTH, 256, H200_BF16_FLOPS)
     assert roof == pytest.approx(expected, rel=0.02)

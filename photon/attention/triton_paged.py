@@ -143,8 +143,8 @@ def _decode_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_spl
 
 
 # Prefill runs eagerly with every batch shape: block-table width, context bound and the packed
-# per-sequence arrays' offsets vary step to step, and specializing on them compiled new variants
-# mid-run (~0.3-0.5 s each). They feed scalar index math only.
+# per-sequence arrays' offsets vary step to step, and specializing on them would compile a new
+# variant mid-run, stalling that step. They feed scalar index math only.
 _PREFILL_VARYING = ["bt_ptr", "seq_lens_ptr", "qsl_ptr", "max_ctx", "stride_bt"]
 
 

@@ -1,4 +1,4 @@
-"""GPU (H200) checks of the pipeline contract: pipelined == blocking on CUDA in bfloat16 with CUDA
+"""GPU checks of the pipeline contract: pipelined == blocking on CUDA in bfloat16 with CUDA
 graphs, and no hidden host sync anywhere in the loop except the designated commit wait."""
 
 from __future__ import annotations
