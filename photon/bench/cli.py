@@ -82,8 +82,9 @@ def gpu_info(device: str = "auto") -> dict[str, str]:
 
 def add_cost_args(group: argparse._ArgumentGroup, num_gpus_flag: bool) -> None:
     group.add_argument("--gpu-cost-per-hour", type=float, default=None, metavar="DOLLARS",
-                       help="Price of one GPU-hour in dollars: adds the cost per million output "
-                            "tokens (the price x GPUs used x run time / output tokens).")
+                       help="Price of one GPU-hour in dollars (without a GPU: of the machine): "
+                            "adds the cost per million output tokens (the price x GPUs used x "
+                            "run time / output tokens).")
     if num_gpus_flag:
         group.add_argument("--num-gpus", type=int, default=1,
                            help="GPUs the server runs on, for the cost per token.")

@@ -361,6 +361,10 @@ def _finish_sweep(ns: argparse.Namespace, points: list[dict[str, Any]]) -> int:
 def _plot_only(ns: argparse.Namespace) -> int:
     from photon.bench.frontier import DEFAULT_PANELS, load_series, plot_frontier
 
+    require("matplotlib", "plotting the latency-throughput frontier (--plot-from)")
+    missing = [path for path in ns.plot_from if not Path(path).is_file()]
+    if missing:
+        raise ValueError(f"--plot-from: no such file: {', '.join(missing)}")
     series = load_series(ns.plot_from)
     path = plot_frontier(series, ns.plot_output, ns.plot_panels or DEFAULT_PANELS)
     _log(f"wrote {path}: " + ", ".join(f"{k} ({len(v)} points)" for k, v in series.items()))
