@@ -11,8 +11,9 @@ from photon.bench.roofline import roofline_tok_per_s, shape_costs, simulate_deco
 from photon.bench.workload import fit_vocab, standard_workload, totals
 from photon.cli import main
 
-H200_BANDWIDTH = 4.23e12  # bytes/s, GPU.md
-H200_BF16_FLOPS = 790e12  # FLOP/s, GPU.md
+# An H200's HBM bandwidth and dense bf16 matmul rate: the ceilings the roofline is checked at.
+H200_BANDWIDTH = 4.23e12  # bytes/s
+H200_BF16_FLOPS = 790e12  # FLOP/s
 SMALL = ["--num-prompts", "6", "--input-len-range", "5", "20", "--output-len-range", "3", "9"]
 SHORT = ["--input-len-range", "5", "20", "--output-len-range", "3", "9"]
 
@@ -25,7 +26,7 @@ def requests() -> list[tuple[int, int]]:
 def test_standard_workload_totals() -> None:
     workload = standard_workload()
     assert len(workload) == 256
-    assert totals(workload) == (142_827, 133_966)  # GPU.md's numbers
+    assert totals(workload) == (142_827, 133_966)  # the standard workload's totals
     assert all(0 <= t <= 10_000 for ids, _ in workload for t in ids)
     assert standard_workload() == workload  # deterministic
 
@@ -46,8 +47,8 @@ def test_simulate_decode_counts() -> None:
 
 
 @pytest.mark.parametrize(("shape", "expected"), [("qwen3-0.6b", 35_400), ("llama-3.1-8b", 12_700)])
-def test_roofline_matches_gpu_md(requests: list[tuple[int, int]], shape: str,
-                                 expected: float) -> None:
+def test_roofline_of_the_standard_workload(requests: list[tuple[int, int]], shape: str,
+                                           expected: float) -> None:
     roof = roofline_tok_per_s(requests, shape_costs(shape), H200_BANDWIDTH, 256, H200_BF16_FLOPS)
     assert roof == pytest.approx(expected, rel=0.02)
     decode_only = roofline_tok_per_s(requests, shape_costs(shape), H200_BANDWIDTH, 256)
