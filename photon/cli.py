@@ -1,15 +1,62 @@
-"""`photon` command line: generate, serve, bench (more subcommands register themselves in SUBCOMMANDS)."""
+"""`photon` command line: generate, serve, bench (more subcommands register themselves in SUBCOMMANDS).
+
+Every usage error is one line, `photon SUBCOMMAND: error: ...`, with exit code 2; `--help` lists each
+option's default and the allowed values of choice options.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from photon.config import ConfigError, EngineArgs
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends `(default: X)` to an option's help unless the help already speaks of its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        shown = default_text(action)
+        if shown is None or "default" in text.lower():
+            return text
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
+class RawDescriptionHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """HelpFormatter that keeps the description's line breaks (module docstrings)."""
+
+
+def default_text(action: argparse.Action) -> str | None:
+    """How `--help` shows an option's default; None when there is nothing worth showing."""
+    default = action.default
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return action.option_strings[0 if default else 1]  # "--flag" or "--no-flag"
+    if not action.option_strings or default is None or default is False \
+            or default is argparse.SUPPRESS:
+        return None
+    if isinstance(default, (list, tuple)):
+        return " ".join(str(v) for v in default)
+    return str(default)
+
+
+class CLIParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage dump) and whose help shows defaults.
+
+    Subparsers are of the same class (argparse makes them with `type(parent)`).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
 
 SAMPLING_FLAGS: dict[str, tuple[type, str]] = {
     "max_tokens": (int, "Most tokens to generate per completion (default 16)."),
@@ -19,11 +66,14 @@ SAMPLING_FLAGS: dict[str, tuple[type, str]] = {
     "min_p": (float, "Drop tokens below min_p x the top probability (default 0 = off)."),
     "n": (int, "Completions per prompt (default 1)."),
     "sampling_seed": (int, "Per-request seed: same seed, same output (default: from --seed)."),
-    "min_tokens": (int, "Generate at least this many tokens before EOS/stop ids count."),
-    "presence_penalty": (float, "Penalty in [-2, 2] for tokens already generated."),
-    "frequency_penalty": (float, "Penalty in [-2, 2] scaled by how often a token appeared."),
-    "repetition_penalty": (float, "Multiplicative penalty > 0 on seen tokens (1 = off)."),
-    "logprobs": (int, "Return this many top logprobs per token (0-20)."),
+    "min_tokens": (int, "Generate at least this many tokens before EOS/stop ids count "
+                        "(default 0)."),
+    "presence_penalty": (float, "Penalty in [-2, 2] for tokens already generated (default 0)."),
+    "frequency_penalty": (float, "Penalty in [-2, 2] scaled by how often a token appeared "
+                                 "(default 0)."),
+    "repetition_penalty": (float, "Multiplicative penalty > 0 on seen tokens (default 1 = off)."),
+    "logprobs": (int, "Print each generated token's logprob and this many most likely "
+                      "alternatives (0-20; default: none printed)."),
 }
 
 
@@ -38,7 +88,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         base = str(f.type).split(" | ")[0]  # annotations are strings: "int | None"
         kind = {"int": int, "float": float}.get(base, str)
-        group.add_argument(flag, type=kind, default=f.default, help=help_text)
+        choices = f.metadata.get("choices")
+        # Allowed values show in the metavar; EngineArgs.create_config checks them (one message
+        # for the Python API and the CLI).
+        metavar = "{" + ",".join(choices) + "}" if choices else None
+        group.add_argument(flag, type=kind, default=f.default, help=help_text, metavar=metavar)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -46,55 +100,9 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 
 def _add_generate(sub: Any) -> None:
-    p = sub.add_parser("generate", allow_abbrev=False, help="Generate completions for prompts and print them.",
-                       description="Generate completions for the given prompts (offline batch).")
-    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="Prompt text(s).")
-    for name, (kind, help_text) in SAMPLING_FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
-    p.add_argument("--stop", action="append", default=None, help="Stop string (repeatable).")
-    p.add_argument("--stop-token-ids", type=int, nargs="+", default=None, help="Stop token ids.")
-    p.add_argument("--ignore-eos", action="store_true", help="Keep generating past EOS.")
-    p.add_argument("--chat", action="store_true", help="Wrap each prompt in the chat template.")
-    p.add_argument("--json", action="store_true", help="Print one JSON object per prompt.")
-    p.add_argument("--no-progress", action="store_true", help="Hide the progress bar.")
-    add_engine_args(p)
-    p.set_defaults(func=run_generate)
+    from photon.cli_generate import add_generate
 
-
-def _sampling_params(ns: argparse.Namespace) -> Any:
-    from photon.sampling_params import SamplingParams
-
-    kwargs = {name: getattr(ns, name) for name in SAMPLING_FLAGS if getattr(ns, name) is not None}
-    if "sampling_seed" in kwargs:
-        kwargs["seed"] = kwargs.pop("sampling_seed")
-    return SamplingParams(stop=ns.stop, stop_token_ids=ns.stop_token_ids,
-                          ignore_eos=ns.ignore_eos, **kwargs)
-
-
-def run_generate(ns: argparse.Namespace) -> int:
-    from photon.llm import LLM
-    from photon.model.tiny import is_random_weights
-
-    params = _sampling_params(ns)
-    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
-    if is_random_weights(llm.config.model.model):
-        print(f"[{llm.config.model.served_model_name}: RANDOM WEIGHTS - the text is meaningless]",
-              file=sys.stderr)
-    prompts = list(ns.prompts)
-    if ns.chat:
-        tok = llm.get_tokenizer()
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    outputs = llm.generate(prompts, params, use_tqdm=not ns.no_progress)
-    for prompt, out in zip(ns.prompts, outputs):
-        if ns.json:
-            print(json.dumps({"prompt": prompt, "completions": [
-                {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
-                for c in out.outputs]}))
-            continue
-        for c in out.outputs:
-            print(f"--- prompt: {prompt!r} [{c.finish_reason}, {len(c.token_ids)} tokens]")
-            print(prompt + c.text)
-    return 0
+    add_generate(sub)
 
 
 def _add_bench(sub: Any) -> None:
@@ -112,10 +120,9 @@ def _add_serve(sub: Any) -> None:
 SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_serve, _add_bench]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> CLIParser:
+    parser = CLIParser(
         prog="photon",
-        allow_abbrev=False,
         description="photon: LLM inference with pipelined decoding. "
                     "Run `photon COMMAND --help` for the options of a command.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -125,13 +132,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(parser: argparse.ArgumentParser, ns: argparse.Namespace
+                   ) -> argparse.ArgumentParser:
+    """The (sub)parser that parsed the innermost command named in `ns` (`photon bench serve`)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            name = getattr(ns, action.dest, None)
+            if name in action.choices:
+                return command_parser(action.choices[name], ns)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, extras = parser.parse_known_args(argv)
+    command = command_parser(parser, ns)
+    if extras:  # reported by the subcommand that got them, not by `photon`
+        command.error(f"unrecognized arguments: {' '.join(extras)}")
     try:
         return int(ns.func(ns) or 0)
     except (ConfigError, ValueError, TypeError) as e:
-        print(f"photon {ns.command}: error: {e}", file=sys.stderr)
+        print(f"{command.prog}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

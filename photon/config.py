@@ -90,8 +90,15 @@ class EngineConfig:
         return 2 if self.pipelined else 1
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+def _help(text: str, choices: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Field metadata for the CLI: the flag's help and, for choice flags, the allowed values."""
+    return {"help": text, "choices": choices} if choices else {"help": text}
+
+
+_DEVICES = ("auto", "cuda", "cpu")
+_LOAD_FORMATS = ("auto", "dummy")
+_GRAMMAR_WORKERS = ("process", "inline")
+_MASK_WAITS = ("device", "host")
 
 
 @dataclass
@@ -101,8 +108,8 @@ class EngineArgs:
     model: str | None = field(default=None, metadata=_help(
         "Local Hugging Face model directory. Default: the built-in photon-tiny (random weights)."))
     dtype: str = field(default="auto", metadata=_help(
-        "Weights/activations dtype: auto, float32, bfloat16, float16. auto = float32 on CPU, "
-        "the checkpoint's dtype (bf16 if float32) on CUDA."))
+        "Weights/activations dtype. auto = float32 on CPU, the checkpoint's dtype (bfloat16 if "
+        "float32) on CUDA.", ("auto", *_DTYPES)))
     max_model_len: int | None = field(default=None, metadata=_help(
         "Longest prompt + output in tokens. Default: the model's max_position_embeddings."))
     max_num_seqs: int = field(default=256, metadata=_help("Most requests in one step."))
@@ -112,36 +119,42 @@ class EngineArgs:
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
         "Fraction of GPU memory the engine may use (weights + activations + KV cache)."))
     kv_cache_memory_bytes: int | None = field(default=None, metadata=_help(
-        "KV cache size in bytes (CPU default: 256 MiB; on CUDA overrides gpu_memory_utilization)."))
+        "KV cache size in bytes. Default: 256 MiB on CPU; on CUDA what "
+        "--gpu-memory-utilization leaves (this flag overrides it)."))
     num_gpu_blocks_override: int | None = field(default=None, metadata=_help(
-        "Force the number of KV blocks (testing preemption)."))
+        "Force the number of KV blocks (testing preemption). Default: from the KV cache size."))
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "Reuse KV blocks of shared prompt prefixes."))
     seed: int = field(default=0, metadata=_help("Seed for unseeded requests and weights init."))
-    device: str = field(default="auto", metadata=_help("cuda, cpu or auto."))
+    device: str = field(default="auto", metadata=_help(
+        "Where the model runs; auto = cuda when available, else cpu.", _DEVICES))
     pipelined: bool = field(default=True, metadata=_help(
         "Pipelined decoding (launch t+1 before committing t). --no-pipelined = blocking loop."))
     enforce_eager: bool = field(default=False, metadata=_help("Disable CUDA graphs."))
     attention_backend: str = field(default="auto", metadata=_help(
-        "Attention backend by name (auto picks the best for the device)."))
+        "Attention backend: auto (default: triton on CUDA, torch on CPU), torch or triton."))
     served_model_name: str | None = field(default=None, metadata=_help(
-        "Model name reported by the API (default: the model directory's name)."))
+        "Model name reported by the API. Default: the model directory's name."))
     load_format: str = field(default="auto", metadata=_help(
-        "auto: read *.safetensors; dummy: random weights of the model's shape (benchmarks)."))
+        "auto: read *.safetensors; dummy: random weights of the model's shape (benchmarks).",
+        _LOAD_FORMATS))
     structured_outputs_backend: str = field(default="xgrammar", metadata=_help(
-        "Grammar backend for structured outputs (JSON schema, regex, choice, EBNF)."))
+        "Library that makes outputs follow a request's JSON schema, regex, choice list or "
+        "grammar.", ("xgrammar",)))
     structured_outputs_timeout: float = field(default=30.0, metadata=_help(
-        "Seconds a request's grammar may take to compile; then the request fails (400)."))
+        "Seconds a request's JSON schema or grammar may take to prepare before the request "
+        "fails with 400."))
     structured_outputs_threads: int = field(default=8, metadata=_help(
-        "Threads that fill a step's grammar masks in the grammar worker (rows dealt across them, "
-        "at least 8 each, one xgrammar batch call per thread); 1 fills them in one call."))
+        "CPU threads that work out, each step, which tokens structured-output requests may "
+        "take; more keep large batches of them fast, 1 uses one."))
     structured_outputs_worker: str = field(default="process", metadata=_help(
-        "Where grammar matchers accept tokens and fill masks: process (a grammar-worker process, "
-        "overlapping the engine thread's commit and planning) or inline (on the engine thread)."))
+        "process: structured outputs are enforced in a helper process, alongside the engine's "
+        "own work (faster with many such requests); inline: in the engine thread. Outputs are "
+        "the same.", _GRAMMAR_WORKERS))
     structured_outputs_mask_wait: str = field(default="device", metadata=_help(
-        "Who waits for a step's grammar masks: device (on CUDA with the grammar worker, the GPU "
-        "waits for the worker's fence word before copying them, and the engine thread never "
-        "waits) or host (the engine thread waits before sampling; always so on CPU)."))
+        "device: on CUDA the GPU waits for the allowed-token lists of structured-output "
+        "requests, so the engine never stalls on them; host: the engine waits (always so on "
+        "CPU). Outputs are the same.", _MASK_WAITS))
 
     def create_config(self) -> EngineConfig:
         from photon.model.tiny import resolve_model_path
@@ -160,7 +173,7 @@ class EngineArgs:
             vocab_size=int(hf_config["vocab_size"]),
             seed=self.seed,
             served_model_name=self.served_model_name or _default_name(self.model, model_dir),
-            load_format=_check_choice("load_format", self.load_format, ("auto", "dummy")),
+            load_format=_check_choice("load_format", self.load_format, _LOAD_FORMATS),
         )
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -192,10 +205,9 @@ class EngineArgs:
             structured_outputs_timeout=float(self.structured_outputs_timeout),
             structured_outputs_threads=self.structured_outputs_threads,
             structured_outputs_worker=_check_choice(
-                "structured_outputs_worker", self.structured_outputs_worker, ("process", "inline")),
+                "structured_outputs_worker", self.structured_outputs_worker, _GRAMMAR_WORKERS),
             structured_outputs_mask_wait=_check_choice(
-                "structured_outputs_mask_wait", self.structured_outputs_mask_wait,
-                ("device", "host")),
+                "structured_outputs_mask_wait", self.structured_outputs_mask_wait, _MASK_WAITS),
         )
 
     @classmethod
@@ -262,8 +274,7 @@ def _architecture(hf_config: dict[str, Any]) -> str:
 def _resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cuda", "cpu"):
-        raise ConfigError(f"device must be one of auto, cuda, cpu; got {device!r}")
+    _check_choice("device", device, _DEVICES)
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device='cuda' but no CUDA device is available")
     return device

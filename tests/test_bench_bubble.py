@@ -13,19 +13,42 @@ from photon.cli import main
 @pytest.mark.parametrize("mode", ["final", "delta"])
 def test_bench_bubble_cpu(capsys: pytest.CaptureFixture[str], mode: str) -> None:
     rc = main(["bench", "bubble", "--model-shape", "tiny", "--batch-sizes", "1", "4",
-               "--steps", "4", "--warmup-steps", "1", "--prompt-len", "8", "--output-mode", mode])
+               "--steps", "4", "--warmup-steps", "1", "--prompt-len", "8", "--output-mode", mode,
+               "--device", "cpu"])
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["output_mode"] == mode
+    assert summary["output_mode"] == mode and summary["device_name"] == "cpu"
     assert [r["batch_size"] for r in summary["rows"]] == [1, 4]
     for row in summary["rows"]:
         for side in ("blocking", "pipelined"):
-            stats = row[side]
-            assert stats["wall_ms"] > 0 and stats["gpu_ms"] > 0 and stats["host_ms"] >= 0
+            stats = row[side]  # not on a GPU: "device" columns
+            assert set(stats) == {"device_ms", "host_ms", "wall_ms", "device_busy",
+                                  "decode_tok_per_s"}
+            assert stats["wall_ms"] > 0 and stats["device_ms"] > 0 and stats["host_ms"] >= 0
             assert stats["decode_tok_per_s"] == pytest.approx(
                 row["batch_size"] * 1e3 / stats["wall_ms"], rel=1e-6)
         assert row["measured_gain"] == pytest.approx(
             row["blocking"]["wall_ms"] / row["pipelined"]["wall_ms"])
+
+
+def test_bench_bubble_cpu_defaults_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    from photon.bench.bubble import BATCH_SIZES
+
+    # No --batch-sizes and no --model-shape: the CPU defaults (steps kept short here).
+    rc = main(["bench", "bubble", "--device", "cpu", "--steps", "2", "--warmup-steps", "1",
+               "--prompt-len", "8"])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["model_shape"] == "tiny"
+    assert [r["batch_size"] for r in summary["rows"]] == BATCH_SIZES[1] == [1, 8, 32]
+    assert "bench bubble runs" in err and "6/6" in err  # the progress bar, on stderr
+    assert "(device busy" in err
+    with pytest.raises(SystemExit):
+        main(["bench", "bubble", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default 1 8 32 128 256 on CUDA, 1 8 32 on CPU)" in text
+    assert "(default 64 on CUDA, 32 on CPU)" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error exists only without CUDA")

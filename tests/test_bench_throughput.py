@@ -11,9 +11,11 @@ from photon.bench.roofline import roofline_tok_per_s, shape_costs, simulate_deco
 from photon.bench.workload import fit_vocab, standard_workload, totals
 from photon.cli import main
 
-H200_BANDWIDTH = 4.23e12  # bytes/s: an H200's HBM read bandwidth
-H200_BF16_FLOPS = 790e12  # FLOP/s: an H200's dense bf16 matmul rate
+# An H200's HBM bandwidth and dense bf16 matmul rate: the ceilings the roofline is checked at.
+H200_BANDWIDTH = 4.23e12  # bytes/s
+H200_BF16_FLOPS = 790e12  # FLOP/s
 SMALL = ["--num-prompts", "6", "--input-len-range", "5", "20", "--output-len-range", "3", "9"]
+SHORT = ["--input-len-range", "5", "20", "--output-len-range", "3", "9"]
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,7 @@ def requests() -> list[tuple[int, int]]:
 def test_standard_workload_totals() -> None:
     workload = standard_workload()
     assert len(workload) == 256
-    assert totals(workload) == (142_827, 133_966)  # the nano-vllm bench totals
+    assert totals(workload) == (142_827, 133_966)  # the standard workload's totals
     assert all(0 <= t <= 10_000 for ids, _ in workload for t in ids)
     assert standard_workload() == workload  # deterministic
 
@@ -46,20 +48,25 @@ def test_simulate_decode_counts() -> None:
 
 # Reference rooflines of the standard workload on one H200 (decode bytes plus prefill FLOPs).
 @pytest.mark.parametrize(("shape", "expected"), [("qwen3-0.6b", 35_400), ("llama-3.1-8b", 12_700)])
-def test_roofline_matches_reference_figures(requests: list[tuple[int, int]], shape: str,
-                                 expected: float) -> None:
+def test_roofline_of_the_standard_workload(requests: list[tuple[int, int]], shape: str,
+                                           expected: float) -> None:
     roof = roofline_tok_per_s(requests, shape_costs(shape), H200_BANDWIDTH, 256, H200_BF16_FLOPS)
     assert roof == pytest.approx(expected, rel=0.02)
     decode_only = roofline_tok_per_s(requests, shape_costs(shape), H200_BANDWIDTH, 256)
     assert decode_only > roof  # prefill compute only adds time
 
 
-def _last_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
-    code = main(["bench", "throughput", "--model-shape", "tiny", *SMALL, "--warmup-prompts", "1",
+def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[dict, str]:
+    """(the JSON summary, stderr) of a CPU run."""
+    code = main(["bench", "throughput", "--model-shape", "tiny", "--device", "cpu",
                  "--hbm-bandwidth", "1e11", *argv])
     out, err = capsys.readouterr()
     assert code == 0, err
-    return json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+def _last_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
+    return _run(capsys, [*SMALL, "--warmup-prompts", "1", *argv])[0]
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +81,17 @@ def test_cli_pipelined(capsys: pytest.CaptureFixture[str], small_output_tokens: 
     for key in ("roofline_tok_per_s", "roofline_fraction", "hbm_bandwidth", "elapsed_s",
                 "output_tok_per_s", "total_tok_per_s"):
         assert isinstance(summary[key], float) and summary[key] > 0, key
-    assert summary["peak_gpu_memory_bytes"] == 0 and summary["model_shape"] == "tiny"
+    assert summary["model_shape"] == "tiny" and summary["device"] == "cpu"
     assert summary["num_prompts"] == 6 and summary["max_model_len"] == 20 + 9
-    for key in ("prompt_tokens", "gpu_name", "torch_version", "model", "max_num_seqs",
+    for key in ("prompt_tokens", "torch_version", "model", "max_num_seqs",
                 "max_num_batched_tokens", "attention_backend", "enforce_eager"):
         assert key in summary, key
+    # Not on a GPU: the columns say "device", and no GPU memory was measured.
+    assert summary["device_name"] == "cpu" and summary["peak_device_memory_bytes"] is None
+    cost_keys = {"gpu_cost_per_hour", "num_gpus"}
+    assert not [key for key in summary if "gpu" in key and key not in cost_keys]
+    assert summary["gpu_cost_per_hour"] is None
+    assert summary["dollars_per_million_output_tokens"] is None
 
 
 def test_cli_blocking(capsys: pytest.CaptureFixture[str], small_output_tokens: int,
@@ -88,3 +101,38 @@ def test_cli_blocking(capsys: pytest.CaptureFixture[str], small_output_tokens: i
     assert summary["pipelined"] is False
     assert summary["output_tokens"] == small_output_tokens
     assert json.loads(path.read_text()) == summary
+
+
+def test_cpu_defaults_are_cpu_sized_and_show_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    from photon.bench.throughput import CPU_DEFAULTS
+
+    assert CPU_DEFAULTS.num_prompts == 16 and CPU_DEFAULTS.output_len_range == (32, 256)
+    # No --num-prompts / --warmup-prompts: the CPU defaults (the lengths are kept short here).
+    summary, err = _run(capsys, SHORT)
+    assert summary["num_prompts"] == CPU_DEFAULTS.num_prompts
+    assert summary["output_tokens"] == totals(standard_workload(16, (5, 20), (3, 9)))[1]
+    assert "warm-up: 1 prompts" in err
+    assert "Processed prompts" in err and "16/16" in err  # the progress bar, on stderr
+
+
+def test_cpu_defaults_are_documented(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "throughput", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Requests (default 256 on CUDA, 16 on CPU)." in text
+    assert "(default 100 1024 on CUDA, 32 256 on CPU)" in text
+
+
+def test_cost_per_million_output_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+    summary, err = _run(capsys, [*SMALL, "--warmup-prompts", "0", "--gpu-cost-per-hour", "3.6"])
+    # $3.60 per hour = $0.001 per second: per million tokens, 1000 / (tokens per second).
+    assert summary["gpu_cost_per_hour"] == 3.6 and summary["num_gpus"] == 1
+    assert summary["dollars_per_million_output_tokens"] == pytest.approx(
+        1e3 / summary["output_tok_per_s"])
+    assert f"cost: ${summary['dollars_per_million_output_tokens']:.4f} per million" in err
+
+
+def test_negative_cost_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "throughput", "--gpu-cost-per-hour", "-1"]) == 2
+    assert "--gpu-cost-per-hour must be a number of dollars >= 0, got -1.0" in \
+        capsys.readouterr().err

@@ -122,3 +122,168 @@ def test_console_script_subprocess(expected: tuple[str, list[int]]) -> None:
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["completions"][0]["token_ids"] == expected[1]
     assert "RANDOM WEIGHTS" in res.stderr
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+@pytest.fixture(scope="module")
+def expected_logprobs() -> tuple[list[int], list[dict[int, float]], float]:
+    """Greedy reference with 3 top logprobs per token from the Python API."""
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3)
+    (completion,) = LLM(max_model_len=64).generate(PROMPT, params, use_tqdm=False)[0].outputs
+    return completion.token_ids, completion.logprobs, completion.cumulative_logprob
+
+
+def test_generate_json_prints_logprobs(capsys: pytest.CaptureFixture[str],
+                                       expected_logprobs: tuple) -> None:
+    token_ids, entries, cumulative = expected_logprobs
+    out, _ = _generate(capsys, "--json", "--logprobs", "3", PROMPT)
+    (completion,) = json.loads(out)["completions"]
+    assert completion["token_ids"] == token_ids
+    assert completion["cumulative_logprob"] == pytest.approx(cumulative)
+    rows = completion["logprobs"]
+    assert [r["token_id"] for r in rows] == token_ids
+    for row, entry in zip(rows, entries):
+        assert row["logprob"] == pytest.approx(entry[row["token_id"]])
+        top = row["top_logprobs"]
+        best = sorted(entry.items(), key=lambda kv: -kv[1])[:3]
+        assert [(t["token_id"], t["logprob"]) for t in top] == [
+            (tid, pytest.approx(lp)) for tid, lp in best]
+        assert top[0]["token_id"] == row["token_id"]  # greedy: the sampled token is the best
+        assert all(isinstance(t["token"], str) for t in top)
+    assert sum(r["logprob"] for r in rows) == pytest.approx(cumulative, abs=1e-4)
+
+
+def test_generate_text_prints_logprobs(capsys: pytest.CaptureFixture[str],
+                                       expected_logprobs: tuple) -> None:
+    from photon.model.tiny import ensure_photon_tiny
+    from photon.tokenizer import Tokenizer
+
+    token_ids, entries, cumulative = expected_logprobs
+    out, _ = _generate(capsys, "--logprobs", "2", PROMPT)
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("--- logprobs"))
+    assert lines[start] == (f"--- logprobs (cumulative {cumulative:.4f}): sampled token, "
+                            "then the top 2")
+    rows = lines[start + 1:]
+    assert len(rows) == len(token_ids) == 8
+    tok = Tokenizer.from_pretrained(ensure_photon_tiny())
+    for i, (row, tid, entry) in enumerate(zip(rows, token_ids, entries)):
+        fields = row.split()
+        assert fields[0] == str(i)
+        assert repr(tok.decode([tid], skip_special_tokens=False)) in row
+        assert f"{entry[tid]:.4f}" in row
+        best = sorted(entry.items(), key=lambda kv: -kv[1])[:2]
+        assert row.endswith(f"{best[-1][1]:.4f}")
+
+
+# ---------------------------------------------------------------- --chat
+
+
+def test_generate_chat_prints_the_templated_prompt(capsys: pytest.CaptureFixture[str]) -> None:
+    llm = LLM(max_model_len=64)
+    tok = llm.get_tokenizer()
+    templated = tok.apply_chat_template([{"role": "user", "content": PROMPT}])
+    assert templated != PROMPT and PROMPT in templated
+    ids = tok.encode(templated, add_special_tokens=False)
+    ref = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    completion = ref[0].outputs[0]
+
+    out, _ = _generate(capsys, "--json", "--chat", PROMPT)
+    obj = json.loads(out)
+    assert obj["prompt"] == templated  # what the model saw, as vLLM's RequestOutput.prompt
+    assert obj["messages"] == [{"role": "user", "content": PROMPT}]
+    assert obj["completions"][0]["token_ids"] == completion.token_ids
+
+    out, _ = _generate(capsys, "--chat", PROMPT)
+    header = f"--- prompt: {PROMPT!r} (chat template applied) [length, 8 tokens]"
+    assert out == f"{header}\n{templated}{completion.text}\n"
+
+
+# ---------------------------------------------------------------- one-line errors
+
+
+@pytest.mark.parametrize(("argv", "prefix", "says"), [
+    (["generate", "--bogus-flag", "hi"], "photon generate",
+     "unrecognized arguments: --bogus-flag"),
+    (["generate", "--max-tokens", "abc", "hi"], "photon generate",
+     "argument --max-tokens: invalid int value: 'abc'"),
+    (["generate"], "photon generate", "the following arguments are required: PROMPT"),
+    (["bench", "serve", "--num-prompts", "x"], "photon bench serve",
+     "argument --num-prompts: invalid int value: 'x'"),
+    (["bench", "throughput", "--bogus"], "photon bench throughput",
+     "unrecognized arguments: --bogus"),
+    (["bench", "bubble", "--model-shape", "huge"], "photon bench bubble",
+     "argument --model-shape: invalid choice: 'huge'"),
+    (["bench"], "photon bench", "the following arguments are required: BENCHMARK"),
+    (["serve", "--port", "eighty"], "photon serve", "argument --port: invalid int value"),
+])
+def test_usage_errors_are_one_line(argv: list[str], prefix: str, says: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    (line,) = err.splitlines()
+    assert line.startswith(f"{prefix}: error: {says}"), line
+    assert line.endswith(f"(see `{prefix} --help`)")
+
+
+def test_usage_error_in_a_fresh_process_is_one_line() -> None:
+    res = _photon("generate", "--max-tokens", "abc", "hi")
+    assert res.returncode == 2
+    assert res.stderr.splitlines() == [
+        "photon generate: error: argument --max-tokens: invalid int value: 'abc' "
+        "(see `photon generate --help`)"]
+
+
+def test_runtime_error_names_the_innermost_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "throughput", "--num-prompts", "0"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "photon bench throughput: error: --num-prompts must be positive, got 0"]
+
+
+# ---------------------------------------------------------------- --help
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # one line: wrapping does not matter
+
+
+@pytest.mark.parametrize("command", [["generate"], ["serve"], ["bench", "throughput"]])
+def test_help_shows_engine_defaults_and_choices(command: list[str],
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(capsys, *command)
+    for shown in ("--max-num-seqs MAX_NUM_SEQS Most requests in one step. (default: 256)",
+                  "(weights + activations + KV cache). (default: 0.9)",
+                  "--block-size BLOCK_SIZE Tokens per KV-cache block. (default: 16)",
+                  "(default: 8192)", "(default: --pipelined)", "(default: --enable-prefix-caching)",
+                  "--dtype {auto,float32,float,bfloat16,float16,half}",
+                  "--device {auto,cuda,cpu}", "--load-format {auto,dummy}",
+                  "--structured-outputs-worker {process,inline}",
+                  "--structured-outputs-mask-wait {device,host}"):
+        assert shown in text, shown
+
+
+def test_help_describes_structured_outputs_for_users(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(capsys, "generate")
+    section = text[text.index("--structured-outputs-backend"):]
+    for internal in ("fence", "batch call", "rows dealt", "matchers", "mask words"):
+        assert internal not in section, internal
+    assert "JSON schema, regex, choice list or grammar" in section
+    assert "Outputs are the same." in section
+
+
+def test_help_of_bench_options_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(capsys, "bench", "structured")
+    assert "--batch-sizes BATCH_SIZES [BATCH_SIZES ...] Batch sizes B to time. (default: 32 128)" \
+        in text
+    assert "--model-shape {qwen3-0.6b,llama-3.1-8b,tiny}" in text
+    text = _help(capsys, "bench", "serve")
+    assert "--random-input-len RANDOM_INPUT_LEN Prompt tokens of a random request. " \
+           "(default: 1024)" in text

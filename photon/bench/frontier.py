@@ -93,9 +93,9 @@ def _draw_panel(ax: Any, series: dict[str, list[dict[str, Any]]], metric: str) -
 def plot_frontier(series: dict[str, list[dict[str, Any]]], out_path: str,
                   panels: Sequence[str] = DEFAULT_PANELS, title: str | None = None) -> str:
     """Draw the series into a PNG at out_path; returns the path."""
-    import matplotlib
+    from photon.bench.cli import require
 
-    matplotlib.use("Agg")
+    require("matplotlib", "plotting the latency-throughput frontier").use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)

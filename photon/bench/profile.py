@@ -36,15 +36,18 @@ def classify(name: str) -> str:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("profile", allow_abbrev=False, description=__doc__,
+    from photon.cli import RawDescriptionHelpFormatter
+
+    p = sub.add_parser("profile", description=__doc__,
                        help="GPU time of a decode step by kernel class (attention, GEMM, ...).",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=RawDescriptionHelpFormatter)
     add_model_source_args(p, default_shape=None)
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=256, help="Requests decoding together.")
     p.add_argument("--prompt-len", type=int, default=1024, help="Context length before decoding.")
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--warmup-steps", type=int, default=4)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--steps", type=int, default=16, help="Profiled decode steps.")
+    p.add_argument("--warmup-steps", type=int, default=4,
+                   help="Decode steps before profiling starts.")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy sampling.")
     p.add_argument("--output-mode", choices=("final", "delta"), default="final",
                    help="final: outputs only at the end (offline); delta: streamed every step.")
     from photon.cli import add_engine_args
@@ -98,6 +101,6 @@ def run_profile(ns: argparse.Namespace) -> int:
     result = {"benchmark": "profile", "model_shape": ns.model_shape, "batch_size": ns.batch_size,
               "context": ns.prompt_len, "pipelined": args.pipelined,
               "attention_backend": core.runner.backend.name, **_breakdown(prof, wall, ns.steps),
-              **gpu_info()}
+              **gpu_info("cuda")}
     print(json.dumps(result))
     return 0

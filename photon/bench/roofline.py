@@ -13,11 +13,10 @@ Prefill is NOT a bandwidth cost here, and attention FLOPs, activations, sampling
 overheads are ignored.
 
 Prefill compute (optional, `peak_flops`): `2 * params * prompt_tokens / peak_flops` seconds is
-added. GPU.md's reference figures (~35,400 tok/s Qwen3-0.6B, ~12,700 tok/s Llama-3.1-8B at
-4.23e12 B/s) are reproduced only with this term at its measured 790 TFLOP/s: without it the model
-gives ~37,600 and ~17,500 tok/s. Weight bytes follow GPU.md: `param_count * dtype_bytes`
-(`photon.bench.shapes.param_count`: a tied embedding counted once; an untied one counted twice,
-embedding + lm_head, although decode only gathers a few embedding rows).
+added (tests/test_bench_throughput.py checks the resulting ceilings of the built-in shapes).
+Weight bytes are `param_count * dtype_bytes` (`photon.bench.shapes.param_count`: a tied embedding
+counted once; an untied one counted twice, embedding + lm_head, although decode only gathers a
+few embedding rows).
 """
 
 from __future__ import annotations

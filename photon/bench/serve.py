@@ -20,17 +20,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from photon.bench.cli import add_cost_args, check_cost_args, cost_fields, require
 from photon.bench.serve_metrics import aggregate, arrival_offsets, parse_goodput
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 WARMUP_MAX_TOKENS = 16
+DEFAULT_VOCAB_SIZE = 10000  # random token ids when the server does not report its vocabulary
 
 
 def add_parser(bench_sub: Any) -> None:
-    p = bench_sub.add_parser("serve", allow_abbrev=False, help="Online serving benchmark "
+    from photon.cli import RawDescriptionHelpFormatter
+
+    p = bench_sub.add_parser("serve", help="Online serving benchmark "
                              "(TTFT/TPOT/ITL, goodput, frontier sweeps) against a server.",
-                             description=__doc__,
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
+                             description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     _add_server_args(p)
     _add_workload_args(p)
     _add_load_args(p)
@@ -57,17 +60,20 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--num-prompts", type=int, default=None,
                    help="Requests per run (default 200; a --dataset's rows; 256 for standard).")
-    g.add_argument("--random-input-len", type=int, default=1024)
-    g.add_argument("--random-output-len", type=int, default=128)
+    g.add_argument("--random-input-len", type=int, default=1024,
+                   help="Prompt tokens of a random request.")
+    g.add_argument("--random-output-len", type=int, default=128,
+                   help="Output tokens of a random request (EOS is ignored).")
     g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="Lengths uniform in [len*(1-r), len*(1+r)] (0 <= r < 1; default 0).")
-    g.add_argument("--random-vocab-size", type=int, default=10000,
-                   help="Random token ids are in [0, this) (default 10000; photon-tiny: 1024).")
+    g.add_argument("--random-vocab-size", type=int, default=None,
+                   help="Random token ids are in [0, this). Default: the vocab_size the server "
+                        f"reports in GET /v1/models (photon does), else {DEFAULT_VOCAB_SIZE}.")
     g.add_argument("--dataset", default=None, metavar="PATH",
                    help="JSONL rows {'prompt': str | [ids], 'output_len': int}, or 'standard' "
                         "(the offline nano-vllm workload: 100-1024 in and out).")
     g.add_argument("--seed", type=int, default=0, help="Seed of prompts and arrivals.")
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature.")
     g.add_argument("--warmup-requests", type=int, default=1,
                    help=f"Untimed requests first (up to {WARMUP_MAX_TOKENS} tokens; default 1): "
                         "one alone, then the rest at once, so batched shapes get compiled too.")
@@ -101,9 +107,11 @@ def _add_report_args(p: argparse.ArgumentParser) -> None:
                    help="Keep per-request records in the JSON (under 'requests').")
     g.add_argument("--plot-from", nargs="+", default=None, metavar="JSON",
                    help="Only plot: merge these runs' series into --plot-output.")
-    g.add_argument("--plot-output", default="serve_frontier.png", metavar="PNG")
+    g.add_argument("--plot-output", default="serve_frontier.png", metavar="PNG",
+                   help="Where --plot-from draws.")
     g.add_argument("--plot-panels", nargs="+", default=None, metavar="METRIC",
                    help="Y metrics, one panel each (default median_tpot_ms p99_ttft_ms).")
+    add_cost_args(g, num_gpus_flag=True)
 
 
 def _log(msg: str) -> None:
@@ -116,12 +124,15 @@ def run_serve(ns: argparse.Namespace) -> int:
     _check_args(ns)
     slos = parse_goodput(ns.goodput)
     try:
-        cfg = asyncio.run(_client_config(ns))
+        cfg, served = asyncio.run(_client_config(ns))
     except Exception as e:  # unreachable server, bad /v1/models: a message, not a traceback
         _log(f"cannot use {ns.base_url}/v1/models: {type(e).__name__}: {e} "
              "(is the server up? --wait-server S waits for it)")
         return 1
+    ns.random_vocab_size = _vocab_size(ns, served)
     specs = _requests(ns)
+    if not cfg.chat:
+        _check_fits(specs, served)
     if not asyncio.run(_warmup(cfg, specs, ns.warmup_requests)):
         return 1
     loads = _loads(ns)
@@ -143,22 +154,57 @@ def _check_args(ns: argparse.Namespace) -> None:
             raise ValueError(f"concurrency must be positive, got {conc}")
     if not ns.burstiness > 0:
         raise ValueError(f"--burstiness must be positive, got {ns.burstiness}")
+    if ns.random_vocab_size is not None and ns.random_vocab_size < 1:
+        raise ValueError(f"--random-vocab-size must be positive, got {ns.random_vocab_size}")
+    check_cost_args(ns)
+    require("aiohttp", "photon bench serve")
+    if (ns.sweep or ns.sweep_concurrency) and ns.output_dir:
+        require("matplotlib", "plotting the sweep (--output-dir)")
 
 
-async def _client_config(ns: argparse.Namespace) -> Any:
+async def _client_config(ns: argparse.Namespace) -> tuple[Any, Any]:
+    """The client's settings, and the served model's card (None when not fetched: --model and
+    --random-vocab-size given, nothing to wait for)."""
     from photon.bench.serve_client import ClientConfig, wait_for_models
 
     key = ns.api_key or os.environ.get("PHOTON_API_KEY") or os.environ.get("OPENAI_API_KEY")
     cfg = ClientConfig(ns.base_url, ns.endpoint, ns.model or "", key, ns.temperature,
                        ns.request_timeout)
-    if ns.wait_server > 0 or not ns.model:
+    served = None
+    if ns.wait_server > 0 or not ns.model or ns.random_vocab_size is None:
         models = await wait_for_models(cfg, ns.wait_server)
-        if not ns.model:
-            if not models:
-                raise RuntimeError(f"{cfg.base_url}/v1/models lists no model; pass --model")
-            cfg.model = models[0]
+        if not models:
+            raise RuntimeError(f"{cfg.base_url}/v1/models lists no model; pass --model")
+        cfg.model = cfg.model or models[0].id
+        served = next((m for m in models if m.id == cfg.model), models[0])
     _log(f"server {cfg.url}, model {cfg.model}")
-    return cfg
+    return cfg, served
+
+
+def _vocab_size(ns: argparse.Namespace, served: Any) -> int:
+    """--random-vocab-size, else the server's vocabulary, else DEFAULT_VOCAB_SIZE."""
+    if ns.random_vocab_size is not None:
+        return int(ns.random_vocab_size)
+    if served is not None and served.vocab_size:
+        _log(f"random token ids in [0, {served.vocab_size}): the server's vocab_size")
+        return int(served.vocab_size)
+    return DEFAULT_VOCAB_SIZE
+
+
+def _check_fits(specs: list[Any], served: Any) -> None:
+    """Every request with a known prompt length fits the server's max_model_len (else each
+    would fail with 400 after the warm-up)."""
+    limit = served.max_model_len if served is not None else None
+    if limit is None:
+        return
+    too_long = [s for s in specs if s.prompt_len is not None
+                and s.prompt_len + s.output_len > limit]
+    if too_long:
+        worst = max(too_long, key=lambda s: s.prompt_len + s.output_len)
+        raise ValueError(
+            f"{len(too_long)} of {len(specs)} requests do not fit the server's max_model_len of "
+            f"{limit} tokens (the longest: {worst.prompt_len} prompt + {worst.output_len} output "
+            "tokens); lower --random-input-len / --random-output-len")
 
 
 def _requests(ns: argparse.Namespace) -> list[Any]:
@@ -218,7 +264,9 @@ def _run_point(ns: argparse.Namespace, cfg: Any, specs: list[Any], rate: float,
     _log(f"run: request rate {rate}, burstiness {ns.burstiness}, max concurrency {conc}")
     offsets = arrival_offsets(len(specs), rate, ns.burstiness, ns.seed)
     records, duration = asyncio.run(run_requests(cfg, specs, offsets, conc))
-    summary = {"benchmark": "serve", **aggregate(records, duration, slos),
+    metrics = aggregate(records, duration, slos)
+    summary = {"benchmark": "serve", **metrics,
+               **cost_fields(ns.gpu_cost_per_hour, ns.num_gpus, metrics["output_throughput"]),
                **_params(ns, cfg, rate, conc, slos, len(specs))}
     if ns.save_requests:
         from dataclasses import asdict
@@ -262,6 +310,8 @@ def _print_human(s: dict[str, Any]) -> None:
             ("Total token throughput (tok/s)", s["total_token_throughput"])]
     if s["request_goodput"] is not None:
         rows.append(("Request goodput (req/s)", s["request_goodput"]))
+    if s["dollars_per_million_output_tokens"] is not None:
+        rows.append(("Cost ($ per 1M output tokens)", s["dollars_per_million_output_tokens"]))
     for name in ("ttft", "tpot", "itl", "e2el"):
         rows += [(f"{stat.capitalize()} {name.upper()} (ms)", s[f"{stat}_{name}_ms"])
                  for stat in ("mean", "median", "p90", "p99")]
@@ -311,6 +361,10 @@ def _finish_sweep(ns: argparse.Namespace, points: list[dict[str, Any]]) -> int:
 def _plot_only(ns: argparse.Namespace) -> int:
     from photon.bench.frontier import DEFAULT_PANELS, load_series, plot_frontier
 
+    require("matplotlib", "plotting the latency-throughput frontier (--plot-from)")
+    missing = [path for path in ns.plot_from if not Path(path).is_file()]
+    if missing:
+        raise ValueError(f"--plot-from: no such file: {', '.join(missing)}")
     series = load_series(ns.plot_from)
     path = plot_frontier(series, ns.plot_output, ns.plot_panels or DEFAULT_PANELS)
     _log(f"wrote {path}: " + ", ".join(f"{k} ({len(v)} points)" for k, v in series.items()))

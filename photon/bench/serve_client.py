@@ -139,8 +139,9 @@ async def send_request(session: Any, cfg: ClientConfig, spec: RequestSpec,
 
 
 def make_session(cfg: ClientConfig, max_connections: int) -> Any:
-    import aiohttp
+    from photon.bench.cli import require
 
+    aiohttp = require("aiohttp", "photon bench serve")
     connector = aiohttp.TCPConnector(limit=max(1, max_connections), ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
     return aiohttp.ClientSession(connector=connector, timeout=timeout)
@@ -176,13 +177,30 @@ async def get_json(cfg: ClientConfig, path: str) -> Any:
             return await resp.json()
 
 
-async def wait_for_models(cfg: ClientConfig, wait_s: float) -> list[str]:
-    """Model ids from GET /v1/models, retried for up to `wait_s` seconds while it fails."""
+@dataclass
+class ServedModel:
+    """A model card of GET /v1/models: what the client sizes its requests by."""
+
+    id: str
+    max_model_len: int | None = None  # vLLM and photon report it
+    vocab_size: int | None = None  # photon reports it; token-id prompts must stay below it
+
+    @classmethod
+    def from_card(cls, card: dict[str, Any]) -> ServedModel:
+        def positive(key: str) -> int | None:
+            value = card.get(key)
+            return value if isinstance(value, int) and value > 0 else None
+
+        return cls(str(card["id"]), positive("max_model_len"), positive("vocab_size"))
+
+
+async def wait_for_models(cfg: ClientConfig, wait_s: float) -> list[ServedModel]:
+    """The model cards of GET /v1/models, retried for up to `wait_s` seconds while it fails."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
             body = await get_json(cfg, "/v1/models")
-            return [m["id"] for m in body.get("data", [])]
+            return [ServedModel.from_card(m) for m in body.get("data", [])]
         except Exception:
             if time.monotonic() >= deadline:
                 raise

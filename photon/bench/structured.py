@@ -55,18 +55,23 @@ SCHEMAS: dict[str, dict[str, Any]] = {"records": DEFAULT_SCHEMA, "records-no-ran
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("structured", allow_abbrev=False, description=__doc__,
+    from photon.cli import RawDescriptionHelpFormatter
+
+    p = sub.add_parser("structured", description=__doc__,
                        help="JSON-schema decode tok/s, pipelined vs blocking vs unconstrained.",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=RawDescriptionHelpFormatter)
     add_model_source_args(p, default_shape=None)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 128])
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--max-output-tokens", type=int, default=1024)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 128],
+                   help="Batch sizes B to time.")
+    p.add_argument("--prompt-len", type=int, default=64, help="Prompt tokens per request.")
+    p.add_argument("--max-output-tokens", type=int, default=1024,
+                   help="Cap on a request's output (the schema should end it first).")
     p.add_argument("--schema", default="records", metavar="NAME|FILE",
                    help=f"JSON schema: a built-in ({', '.join(SCHEMAS)}) or a file.")
     p.add_argument("--repeats", type=_positive_int, default=3,
                    help="Pipelined JSON / plain pairs per batch size (the median is reported).")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, metavar="PATH",
+                   help="Also write all rows to this file.")
     from photon.cli import add_engine_args
 
     add_engine_args(p)
@@ -190,7 +195,14 @@ def grammar_batch(batch: int, schema: dict[str, Any], prompt_len: int, max_token
 
 def warm_up(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> None:
     """Compile the grammar and the kernels outside the timing; twice, because the timed runs
-    repeat prompts and a prefix-cache hit gives prefill a shape (a Triton variant) of its own."""
+    repeat prompts and a prefix-cache hit gives prefill a shape (a Triton variant) of its own.
+    The grammar worker's boot and the compile are waited for first: stepping meanwhile would
+    only poll them (and take a core from them on a small machine)."""
+    timeout_s = core.config.structured_outputs_timeout
+    core.structured.start(wait_s=timeout_s)
+    spec = params[0].structured_outputs
+    if spec is not None:
+        core.structured.compile(spec).result(timeout=timeout_s)
     for _ in range(2):
         run_batch(core, prompts[:2], params[:2])
 
@@ -246,7 +258,7 @@ def run_structured(ns: argparse.Namespace) -> int:
               file=sys.stderr)
     summary = {"benchmark": "structured", "model_shape": ns.model_shape, "schema": ns.schema,
                "rows": rows,
-               **gpu_info()}
+               **gpu_info(ns.device)}
     if ns.output_json:
         with open(ns.output_json, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)

@@ -1,8 +1,9 @@
 """`photon bench throughput`: offline throughput on the standard workload, against the roofline.
 
-Progress goes to stderr (a tqdm bar only when stderr is a TTY); the last stdout line is one JSON
-object summarizing the run. Throughput = output tokens / wall time of the whole generate call
-(prefill included), after a small warm-up generate.
+Progress goes to stderr (a tqdm bar of finished prompts while timing); the last stdout line is one
+JSON object summarizing the run. Throughput = output tokens / wall time of the whole generate call
+(prefill included), after a small warm-up generate. On CPU the defaults are CPU-sized (CPU_DEFAULTS:
+fewer and shorter requests, drawn the same way), so that a run takes seconds, not hours.
 """
 
 from __future__ import annotations
@@ -13,12 +14,34 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
+from photon.bench.cli import add_cost_args, check_cost_args, cost_fields, device_label, on_cuda
 from photon.bench.roofline import ModelCosts, kv_bytes_per_token, roofline_tok_per_s
 from photon.bench.workload import Workload, fit_vocab, standard_workload, totals
 
 WARMUP_MAX_TOKENS = 64  # the warm-up only has to touch every code path once
+
+
+@dataclass(frozen=True)
+class WorkloadDefaults:
+    num_prompts: int
+    input_len_range: tuple[int, int]
+    output_len_range: tuple[int, int]
+    warmup_prompts: int
+
+    def describe(self, name: str) -> str:
+        value = getattr(self, name)
+        return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+CUDA_DEFAULTS = WorkloadDefaults(256, (100, 1024), (100, 1024), 16)  # the standard workload
+CPU_DEFAULTS = WorkloadDefaults(16, (32, 256), (32, 256), 1)
+
+
+def _default_help(name: str) -> str:
+    return f"default {CUDA_DEFAULTS.describe(name)} on CUDA, {CPU_DEFAULTS.describe(name)} on CPU"
 
 
 def add_parser(bench_sub: Any) -> None:
@@ -26,10 +49,12 @@ def add_parser(bench_sub: Any) -> None:
     from photon.cli import add_engine_args
 
     p = bench_sub.add_parser(
-        "throughput", allow_abbrev=False, help="Offline throughput on the standard workload vs the roofline.",
-        description="Generate the standard offline workload (GPU.md's 'nano-vllm bench': random "
-                    "token-id prompts, EOS ignored) and report output tokens/s, with the "
-                    "memory-bandwidth roofline for comparison. Last stdout line: JSON summary.")
+        "throughput", help="Offline throughput on the standard workload vs the roofline.",
+        description="Generate the standard offline workload (256 random token-id prompts of "
+                    "100-1024 tokens, 100-1024 output tokens each, EOS ignored; on CPU a smaller "
+                    "one, see the defaults below) and report output tokens/s, with the "
+                    "memory-bandwidth roofline for comparison. A progress bar on stderr counts "
+                    "finished prompts. Last stdout line: JSON summary.")
     _add_workload_args(p)
     add_model_source_args(p, default_shape=None)
     add_engine_args(p)
@@ -38,15 +63,17 @@ def add_parser(bench_sub: Any) -> None:
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload and roofline")
-    g.add_argument("--num-prompts", type=int, default=256, help="Requests (default 256).")
-    g.add_argument("--input-len-range", type=int, nargs=2, default=[100, 1024],
-                   metavar=("MIN", "MAX"), help="Prompt length range, inclusive (100 1024).")
-    g.add_argument("--output-len-range", type=int, nargs=2, default=[100, 1024],
-                   metavar=("MIN", "MAX"), help="Output length range, inclusive (100 1024).")
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help=f"Requests ({_default_help('num_prompts')}).")
+    g.add_argument("--input-len-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help=f"Prompt length range, inclusive ({_default_help('input_len_range')}).")
+    g.add_argument("--output-len-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help=f"Output length range, inclusive ({_default_help('output_len_range')}).")
     g.add_argument("--workload-seed", type=int, default=0,
                    help="Seed of the workload's Python `random` (default 0).")
-    g.add_argument("--warmup-prompts", type=int, default=16,
-                   help="Prompts in the warm-up generate before timing (default 16; 0 = none).")
+    g.add_argument("--warmup-prompts", type=int, default=None,
+                   help="Prompts in the warm-up generate before timing (0 = none; "
+                        f"{_default_help('warmup_prompts')}).")
     g.add_argument("--hbm-bandwidth", type=float, default=None,
                    help="HBM bandwidth in bytes/s for the roofline (default: measured on CUDA, "
                         "none on CPU = no roofline).")
@@ -55,6 +82,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                         "matmul on CUDA; none on CPU = prefill not counted).")
     g.add_argument("--output-json", default=None, metavar="PATH",
                    help="Also write the JSON summary to PATH.")
+    add_cost_args(g, num_gpus_flag=False)
 
 
 def _log(msg: str) -> None:
@@ -64,7 +92,9 @@ def _log(msg: str) -> None:
 def run_throughput(ns: argparse.Namespace) -> int:
     from photon.llm import LLM
 
+    _cpu_sized_defaults(ns)
     _check_ranges(ns)
+    check_cost_args(ns)
     workload = standard_workload(ns.num_prompts, tuple(ns.input_len_range),
                                  tuple(ns.output_len_range), ns.workload_seed)
     with tempfile.TemporaryDirectory(prefix="photon-bench-") as workdir:
@@ -77,12 +107,23 @@ def run_throughput(ns: argparse.Namespace) -> int:
             _warmup(llm, ns)
         elapsed, output_tokens = _timed_generate(llm, workload)
         summary = _summary(ns, llm, workload, elapsed, output_tokens, ceilings)
+    if summary["dollars_per_million_output_tokens"] is not None:
+        _log(f"cost: ${summary['dollars_per_million_output_tokens']:.4f} per million output "
+             f"tokens at ${ns.gpu_cost_per_hour}/GPU-hour")
     line = json.dumps(summary)
     if ns.output_json:
         with open(ns.output_json, "w", encoding="utf-8") as f:
             f.write(line + "\n")
     print(line, flush=True)
     return 0
+
+
+def _cpu_sized_defaults(ns: argparse.Namespace) -> None:
+    """Fill the workload flags left unset with the device's defaults."""
+    defaults = CUDA_DEFAULTS if on_cuda(ns.device) else CPU_DEFAULTS
+    for f in dataclasses.fields(WorkloadDefaults):
+        if getattr(ns, f.name) is None:
+            setattr(ns, f.name, getattr(defaults, f.name))
 
 
 def _check_ranges(ns: argparse.Namespace) -> None:
@@ -137,7 +178,7 @@ def _timed_generate(llm: Any, workload: Workload) -> tuple[float, int]:
     params = _sampling(workload)
     _sync(llm)
     start = time.perf_counter()
-    outputs = llm.generate([ids for ids, _ in workload], params, use_tqdm=sys.stderr.isatty())
+    outputs = llm.generate([ids for ids, _ in workload], params, use_tqdm=True)
     _sync(llm)
     elapsed = time.perf_counter() - start
     got = sum(len(c.token_ids) for out in outputs for c in out.outputs)
@@ -192,10 +233,11 @@ def _roofline(llm: Any, workload: Workload, ceilings: Ceilings) -> dict[str, Any
             "roofline_includes_prefill": bool(flops)}
 
 
-def _peak_memory(device: str) -> int:
+def _peak_memory(device: str) -> int | None:
+    """Peak bytes allocated on the GPU; None elsewhere (not measured)."""
     import torch
 
-    return int(torch.cuda.max_memory_allocated()) if device == "cuda" else 0
+    return int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
 
 
 def _summary(ns: argparse.Namespace, llm: Any, workload: Workload, elapsed: float,
@@ -203,6 +245,7 @@ def _summary(ns: argparse.Namespace, llm: Any, workload: Workload, elapsed: floa
     from photon.bench.cli import gpu_info
 
     cfg = llm.config
+    label = device_label(cfg.device)
     prompt_tokens, _ = totals(workload)
     out_tps = output_tokens / elapsed
     roof = _roofline(llm, workload, ceilings)
@@ -212,7 +255,8 @@ def _summary(ns: argparse.Namespace, llm: Any, workload: Workload, elapsed: floa
         "output_tokens": output_tokens, "prompt_tokens": prompt_tokens, "elapsed_s": elapsed,
         "output_tok_per_s": out_tps, "total_tok_per_s": (prompt_tokens + output_tokens) / elapsed,
         **roof, "roofline_fraction": fraction,
-        "peak_gpu_memory_bytes": _peak_memory(cfg.device), **gpu_info(),
+        **cost_fields(ns.gpu_cost_per_hour, 1, out_tps),  # photon runs on one GPU
+        f"peak_{label}_memory_bytes": _peak_memory(cfg.device), **gpu_info(cfg.device),
         "pipelined": cfg.pipelined, "model": cfg.model.served_model_name,
         "model_shape": ns.model_shape if ns.model is None else None,
         "num_prompts": len(workload), "max_num_seqs": cfg.scheduler.max_num_seqs,

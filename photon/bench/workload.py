@@ -1,4 +1,4 @@
-"""The standard offline workload ("nano-vllm bench", /work/shared/GPU.md).
+"""The standard offline workload (the "nano-vllm bench" workload: random token-id prompts).
 
 Python's `random` seeded with `seed` (a private `random.Random(seed)`: the same sequence as
 `random.seed(seed)` without touching the global state), in exactly this order: for each prompt

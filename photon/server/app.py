@@ -87,7 +87,8 @@ def _add_openai_routes(app: FastAPI, serving: Serving) -> None:
         return {"object": "list", "data": [{
             "id": cfg.served_model_name, "object": "model", "created": int(time.time()),
             "owned_by": "photon", "root": serving.core.config.model.model,
-            "max_model_len": cfg.max_model_len}]}
+            "max_model_len": cfg.max_model_len,
+            "vocab_size": serving.core.config.model.vocab_size}]}
 
 
 def _add_utility_routes(app: FastAPI, serving: Serving, metrics: ServerMetrics) -> None:

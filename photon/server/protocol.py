@@ -198,6 +198,7 @@ class ModelCard(BaseModel):
     owned_by: str = "photon"
     root: str | None = None
     max_model_len: int | None = None
+    vocab_size: int | None = None  # photon's addition: token-id prompts must stay below it
 
 
 class ModelList(BaseModel):
