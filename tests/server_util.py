@@ -47,11 +47,9 @@ def live_server(engine_args: dict[str, Any] | None = None, **server: Any) -> Ite
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
+    wait_until(lambda: srv.started or not thread.is_alive(), "uvicorn starts")
+    if not srv.started:
+        raise RuntimeError("uvicorn did not start")
     port = srv.servers[0].sockets[0].getsockname()[1]
     try:
         yield LiveServer(app, f"http://127.0.0.1:{port}", app.state.engine)
