@@ -14,7 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
+from photon.cli import build_parser
 from photon.server.admission import Admission
+from photon.server.launch import server_config
 from tests.server_util import LiveServer, engine_paused, live_server, wait_drained, wait_until
 
 MAX_RUNNING, MAX_QUEUED = 2, 2  # at most 4 sequences held at once
@@ -111,3 +113,13 @@ def test_failed_and_abandoned_requests_release_their_sequences(
             assert admission.in_flight == 4
         # hung up mid-stream; no token has been made, so only the hang-up can release them
         wait_until(lambda: admission.in_flight == 0, "the hang-up releases the sequences")
+
+
+def test_serve_flags() -> None:
+    ns = build_parser().parse_args(["serve", "--max-queued-requests", "7",
+                                    "--max-prompts-per-request", "3"])
+    config = server_config(ns, "m", 64)
+    assert (config.max_queued_requests, config.max_prompts_per_request) == (7, 3)
+    ns = build_parser().parse_args(["serve", "--max-prompts-per-request", "0"])
+    with pytest.raises(ValueError, match="--max-prompts-per-request must be >= 1"):
+        server_config(ns, "m", 64)
