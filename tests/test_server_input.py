@@ -90,7 +90,7 @@ def test_wrong_json_types_are_400(server: LiveServer, body: dict[str, Any], para
     assert all(w in err["message"] for w in words), err["message"]
 
 
-@pytest.mark.parametrize("value", ["Infinity", "-Infinity", "NaN"])
+@pytest.mark.parametrize("value", ["Infinity", "-Infinity", "NaN", "1e308", "-1e39"])
 @pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p"])
 def test_non_finite_numbers_are_400(server: LiveServer, field: str, value: str) -> None:
     err = error(post_raw(server, "/v1/completions",

@@ -3,8 +3,9 @@
 Value ranges are checked by `SamplingParams` (one source of truth, clear messages -> 400); the
 models here check types only, plus a cap on `n` so one request cannot create unbounded work.
 Types are checked strictly where JSON's loose values would be silently reinterpreted: a boolean
-is never a number, token ids are JSON integers, numbers are finite, and text is valid Unicode
-(JSON can spell a lone UTF-16 surrogate, which no tokenizer can encode).
+is never a number, token ids are JSON integers, numbers are finite in float32 (the precision the
+sampling parameters are used in), and text is valid Unicode (JSON can spell a lone UTF-16
+surrogate, which no tokenizer can encode).
 """
 
 from __future__ import annotations
@@ -14,13 +15,20 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
 from pydantic.types import AllowInfNan
 
-from photon.server.validation import check_prompt_shape, check_text, check_text_tree, not_bool
+from photon.server.validation import (
+    check_float32,
+    check_prompt_shape,
+    check_text,
+    check_text_tree,
+    not_bool,
+)
 
 MAX_N = 128  # completions per prompt
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's roles
 
 Int = Annotated[int, BeforeValidator(not_bool)]
-Float = Annotated[float, BeforeValidator(not_bool), AllowInfNan(False)]
+Float = Annotated[float, BeforeValidator(not_bool), AllowInfNan(False),
+                  AfterValidator(check_float32)]
 Text = Annotated[str, AfterValidator(check_text)]
 JsonObject = Annotated[dict[str, Any], AfterValidator(check_text_tree)]
 TokenIds = list[StrictInt]

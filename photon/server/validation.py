@@ -20,6 +20,17 @@ def not_bool(value: Any) -> Any:
     return value
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def check_float32(value: float) -> float:
+    """Sampling numbers are used as float32 on the device: larger magnitudes become infinite."""
+    if abs(value) > FLOAT32_MAX:
+        raise ValueError(f"expected a finite number of magnitude at most {FLOAT32_MAX:.4g} "
+                         f"(32-bit floating point), got {value:g}")
+    return value
+
+
 def _surrogate(text: str) -> int | None:
     """Index of the first lone UTF-16 surrogate in `text`, or None."""
     try:
