@@ -1,8 +1,9 @@
 """AsyncEngine: runs EngineCore's loop in its own thread and gives asyncio callers output streams.
 
 Thread handoff:
-- callers (any asyncio loop) put commands (add / abort / stop) into a `queue.SimpleQueue`; the
-  engine thread is the only one that touches the EngineCore;
+- callers (any asyncio loop) put commands (add / abort / call / stop) into a
+  `queue.SimpleQueue`; the engine thread is the only one that touches the EngineCore (`call`
+  runs a function there, between two steps);
 - outputs go back through `loop.call_soon_threadsafe` into the caller's `asyncio.Queue` (a
   `RequestSink`; one sink may collect several requests, tagged, e.g. every prompt of one HTTP
   request);
