@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -47,11 +47,9 @@ def live_server(engine_args: dict[str, Any] | None = None, **server: Any) -> Ite
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
+    wait_until(lambda: srv.started or not thread.is_alive(), "uvicorn starts")
+    if not srv.started:
+        raise RuntimeError("uvicorn did not start")
     port = srv.servers[0].sockets[0].getsockname()[1]
     try:
         yield LiveServer(app, f"http://127.0.0.1:{port}", app.state.engine)
@@ -59,3 +57,53 @@ def live_server(engine_args: dict[str, Any] | None = None, **server: Any) -> Ite
         srv.should_exit = True
         thread.join(10)
         app.state.engine.shutdown()
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Poll `predicate` until it holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.01)
+
+
+def _assert_idle(core: EngineCore) -> None:
+    assert not core.has_unfinished(), "work still pending (aborts not yet reported?)"
+    core.assert_drained()
+
+
+def wait_drained(engine: AsyncEngine, timeout: float = 30.0) -> None:
+    """Poll, on the engine thread, until it has no work left (every output, aborts included,
+    delivered) and EngineCore.assert_drained holds; fail with the last complaint after
+    `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            engine.call(lambda: _assert_idle(engine.engine))
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.01)
+
+
+@contextmanager
+def engine_paused(engine: AsyncEngine) -> Iterator[threading.Event]:
+    """Hold the engine thread before each step until the returned event is set (or the block
+    exits): requests are admitted and queued, but none progresses or finishes."""
+    gate = threading.Event()
+    core = engine.engine
+    real_step = core.step
+
+    def gated_step() -> Any:
+        if not gate.wait(60):
+            raise RuntimeError("engine_paused: the gate was never opened")
+        return real_step()
+
+    core.step = gated_step  # type: ignore[method-assign]
+    try:
+        yield gate
+    finally:
+        gate.set()
+        del core.step  # the class's method again

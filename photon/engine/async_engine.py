@@ -1,8 +1,9 @@
 """AsyncEngine: runs EngineCore's loop in its own thread and gives asyncio callers output streams.
 
 Thread handoff:
-- callers (any asyncio loop) put commands (add / abort / stop) into a `queue.SimpleQueue`; the
-  engine thread is the only one that touches the EngineCore;
+- callers (any asyncio loop) put commands (add / abort / call / stop) into a
+  `queue.SimpleQueue`; the engine thread is the only one that touches the EngineCore (`call`
+  runs a function there, between two steps);
 - outputs go back through `loop.call_soon_threadsafe` into the caller's `asyncio.Queue` (a
   `RequestSink`; one sink may collect several requests, tagged, e.g. every prompt of one HTTP
   request);
@@ -16,16 +17,19 @@ and exits; `healthy` turns false.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from photon.engine.engine_core import EngineCore, EngineStats
 from photon.outputs import RequestOutput
 from photon.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -81,12 +85,17 @@ class _Add:
 
 
 @dataclass
+class _Call:
+    fn: Callable[[], Any]
+    result: concurrent.futures.Future[Any]
+
+
+@dataclass
 class _Counters:
     """Caller-side view, refreshed by the engine thread after every iteration."""
 
     num_waiting: int = 0
     num_running: int = 0
-    pending_adds: int = 0  # submitted, not yet taken by the engine thread (caller's loop only)
 
 
 class _NullObserver:
@@ -125,11 +134,6 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self.error is None and self._thread.is_alive() and not self._stop
 
-    @property
-    def num_waiting(self) -> int:
-        """Requests not running yet: in the scheduler's queue or still in the command queue."""
-        return self.counters.num_waiting + self.counters.pending_adds
-
     # ---- requests (caller side) -------------------------------------------------------------
     async def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                           sink: RequestSink, tag: Any = None,
@@ -146,19 +150,24 @@ class AsyncEngine:
             except RuntimeError:
                 pass  # the caller's loop is closed
 
-        self.counters.pending_adds += 1
         try:
             self._inbox.put(_Add(prompt_ids, params, entry, done))
             await fut
         except asyncio.CancelledError:
             self.abort(request_id)  # the add may still land: abort it right behind
             raise
-        finally:
-            self.counters.pending_adds -= 1
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; unknown or finished ids are ignored)."""
         self._inbox.put(("abort", request_id))
+
+    def call(self, fn: Callable[[], T], timeout: float = 30.0) -> T:
+        """Run `fn` on the engine thread between two steps and return its result (blocking the
+        calling thread): a consistent look at the EngineCore from outside, e.g. in tests."""
+        self._check_alive()
+        result: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._inbox.put(_Call(fn, result))
+        return result.result(timeout)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -221,6 +230,8 @@ class AsyncEngine:
     def _handle(self, cmd: Any) -> None:
         if isinstance(cmd, _Add):
             self._handle_add(cmd)
+        elif isinstance(cmd, _Call):
+            _run_call(cmd)
         elif cmd[0] == "abort":
             if cmd[1] in self._live:
                 self.engine.abort(cmd[1])
@@ -268,6 +279,15 @@ class AsyncEngine:
                 return
             if isinstance(cmd, _Add):
                 cmd.done(exc)
+            elif isinstance(cmd, _Call):
+                cmd.result.set_exception(exc)
+
+
+def _run_call(cmd: _Call) -> None:
+    try:
+        cmd.result.set_result(cmd.fn())
+    except Exception as e:  # noqa: BLE001 - the caller gets it
+        cmd.result.set_exception(e)
 
 
 def _resolve(fut: asyncio.Future[None], exc: BaseException | None) -> None:

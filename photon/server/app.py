@@ -1,5 +1,6 @@
 """FastAPI app factory: `build_app(engine, config)`. No module globals: everything hangs off
-`app.state` (`engine`: the AsyncEngine, `config`: ServerConfig, `metrics`: ServerMetrics)."""
+`app.state` (`engine`: the AsyncEngine, `config`: ServerConfig, `metrics`: ServerMetrics,
+`serving`: the request handling shared by the routes, with its admission count)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.state.engine, app.state.config, app.state.metrics = engine, config, metrics
     install_handlers(app)
     _add_middleware(app, config)
-    serving = Serving(engine, config)
+    serving = app.state.serving = Serving(engine, config)
     _add_openai_routes(app, serving)
     _add_utility_routes(app, serving, metrics)
     app.openapi = _openapi_without_422(app)
@@ -86,7 +87,7 @@ def _add_openai_routes(app: FastAPI, serving: Serving) -> None:
         cfg = serving.config
         return {"object": "list", "data": [{
             "id": cfg.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "photon", "root": serving.core.config.model.model,
+            "owned_by": "photon", "root": cfg.served_model_name,
             "max_model_len": cfg.max_model_len,
             "vocab_size": serving.core.config.model.vocab_size}]}
 
@@ -106,21 +107,22 @@ def _add_utility_routes(app: FastAPI, serving: Serving, metrics: ServerMetrics) 
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(req: TokenizeRequest) -> Any:
+        # No length check: the count is what a client asks /tokenize for.
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            text = serving.chat_prompt(req.messages, req.add_generation_prompt)
-            ids = serving.prompt_ids(text, add_special_tokens=False)
+            text = await serving.chat_prompt(req.messages, req.add_generation_prompt)
+            ids = await serving.text.encode(text, add_special_tokens=False)
         else:
-            ids = serving.prompt_ids(req.prompt or "", req.add_special_tokens)
+            ids = await serving.text.encode(req.prompt or "", req.add_special_tokens)
         return {"count": len(ids), "max_model_len": serving.config.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(req: DetokenizeRequest) -> Any:
         serving.check_model(req.model)
-        ids = serving.prompt_ids(req.tokens) if req.tokens else []
-        return {"prompt": serving.core.tokenizer.decode(ids)}
+        ids = serving.token_ids(req.tokens, "tokens")
+        return {"prompt": await serving.text.decode(ids)}
 
 
 def _openapi_without_422(app: FastAPI) -> Any:

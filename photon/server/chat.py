@@ -36,8 +36,9 @@ class ChatHandler:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         params = s.sampling_params(req, max_tokens, logprobs)
-        text = s.chat_prompt(req.messages, req.add_generation_prompt)
-        ids = s.prompt_ids(text, add_special_tokens=False)
+        s.check_num_prompts(1, params.n)
+        text = await s.chat_prompt(req.messages, req.add_generation_prompt)
+        ids = await s.encode(text, "messages", add_special_tokens=False)
         s.check_prompt(ids, params, "messages")
         run = await s.start([ids], params, "chatcmpl")
         ctx = _ChatCtx(req, run.id, s, len(ids))

@@ -34,8 +34,11 @@ class CompletionHandler:
             raise bad_request("echo is not supported", "echo")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        prompts = [s.prompt_ids(p) for p in _prompt_list(req.prompt)]
+        sources = _prompt_list(req.prompt)
         params = s.sampling_params(req, req.max_tokens, req.logprobs)
+        s.check_num_prompts(len(sources), params.n)
+        prompts = [await s.encode(p, "prompt") if isinstance(p, str) else s.token_ids(p, "prompt")
+                   for p in sources]
         for ids in prompts:
             s.check_prompt(ids, params, "prompt")
         run = await s.start(prompts, params, "cmpl")
@@ -43,7 +46,8 @@ class CompletionHandler:
         return await s.respond(raw, run, req.stream, ctx.events, ctx.collect)
 
 
-def _prompt_list(prompt: Any) -> list[Any]:
+def _prompt_list(prompt: str | list[Any]) -> list[str | list[int]]:
+    """The request's prompts (the protocol model has checked the shape)."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:

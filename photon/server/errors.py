@@ -5,6 +5,7 @@ User mistakes are 4xx; only an internal failure (the engine thread died, or a bu
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,6 +33,8 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
+    # A message may quote request text; a lone surrogate in it would make the body unencodable.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}
 
@@ -46,17 +49,42 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def invalid_value(exc: ValueError, fields: Collection[str] = (),
+                  default: str | None = None) -> APIError:
+    """A 400 for a validation ValueError. `param` is the exception's `param` attribute when it
+    has one (photon.errors.ParameterError), else the message's first word when that is one of
+    `fields` ("top_p must be in (0, 1], got 2"), else `default`."""
+    param = getattr(exc, "param", None)
+    if not isinstance(param, str):
+        first = str(exc).split(" ", 1)[0]
+        param = first if first in fields else default
+    return bad_request(str(exc), param)
+
+
+# pydantic names the member of a union it tried as an extra location part ("str",
+# "list[int]", "function-after[...]", "ContentPart"); the field path leaves those out.
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _field_path(loc: Sequence[Any]) -> list[str]:
+    return [str(p) for p in loc if p != "body" and not (
+        isinstance(p, str) and ("[" in p or p in _UNION_TAGS or p[:1].isupper()))]
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {first.get('msg', '')}", None
-    where = ".".join(loc) or "body"
-    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    return f"{where}: {first.get('msg', 'invalid value')}{more}", (loc[0] if loc else None)
+    if errors[0].get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {errors[0].get('msg', '')}", None
+    # Our own checks (value_error) say more than a union member's "Input should be a ...".
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    path = _field_path(first.get("loc", ()))
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    others = {p[0] for p in map(_field_path, (e.get("loc", ()) for e in errors)) if p}
+    others.discard(path[0] if path else "")
+    more = f" (and {len(others)} more invalid fields)" if others else ""
+    return f"{'.'.join(path) or 'body'}: {msg}{more}", (path[0] if path else None)
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -21,7 +21,12 @@ def add_serve(sub: Any) -> None:
     p.add_argument("--api-key", default=None,
                    help="Require `Authorization: Bearer KEY` (default: $PHOTON_API_KEY, if set).")
     p.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="Answer 429 once this many requests wait to be scheduled.")
+                   help="How many sequences (prompts x n) may wait beyond the --max-num-seqs "
+                        "that run at once; further requests get 429 with Retry-After "
+                        "(default 1024).")
+    p.add_argument("--max-prompts-per-request", type=int, default=256,
+                   help="Answer 400 for a completions request with more prompts than this "
+                        "(default 256).")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY,
                    help="Answer 413 for larger request bodies (default 16 MiB).")
     p.add_argument("--allowed-origins", nargs="*", default=None,
@@ -34,12 +39,13 @@ def add_serve(sub: Any) -> None:
 def server_config(ns: argparse.Namespace, served_model_name: str, max_model_len: int) -> Any:
     from photon.server.openai_serving import ServerConfig
 
-    for name in ("max_queued_requests", "max_request_body_bytes"):
+    for name in ("max_queued_requests", "max_prompts_per_request", "max_request_body_bytes"):
         if getattr(ns, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     return ServerConfig(served_model_name=served_model_name, max_model_len=max_model_len,
                         api_key=ns.api_key or os.environ.get("PHOTON_API_KEY") or None,
                         max_queued_requests=ns.max_queued_requests,
+                        max_prompts_per_request=ns.max_prompts_per_request,
                         max_request_body_bytes=ns.max_request_body_bytes,
                         allowed_origins=tuple(ns.allowed_origins or ()))
 

@@ -20,9 +20,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from photon.engine.async_engine import AsyncEngine, RequestSink
 from photon.outputs import RequestOutput
 from photon.sampling_params import SamplingParams
-from photon.server.errors import APIError, bad_request
+from photon.server.admission import Admission, Ticket
+from photon.server.errors import APIError, bad_request, invalid_value
 from photon.server.protocol import ChatMessage, _SamplingFields
 from photon.server.structured import precompile, structured_params
+from photon.server.tokenization import PromptTokenizer
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON
 
@@ -32,36 +34,44 @@ class ServerConfig:
     served_model_name: str
     max_model_len: int
     api_key: str | None = None
-    max_queued_requests: int = 1024
+    max_queued_requests: int = 1024  # sequences (prompts x n) waiting beyond max_num_seqs
+    max_prompts_per_request: int = 256
     max_request_body_bytes: int = 16 * 1024 * 1024
     allowed_origins: tuple[str, ...] = ()
 
 
 class Run:
-    """The engine requests of one HTTP request; `outputs()` yields (prompt index, output)."""
+    """The engine requests of one HTTP request; `outputs()` yields (prompt index, output).
+    Holds the request's admission ticket: each prompt's n sequences are released when it
+    finishes, and whatever is left when the run is aborted or fails."""
 
     def __init__(self, engine: AsyncEngine, sink: RequestSink, run_id: str,
-                 request_ids: list[str]) -> None:
+                 request_ids: list[str], ticket: Ticket, n: int) -> None:
         self.id = run_id  # the response's id
         self.engine = engine
         self.sink = sink
         self.request_ids = request_ids
         self.unfinished = set(request_ids)
+        self.ticket = ticket
+        self.n = n
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         while self.unfinished:
             tag, item = await self.sink.queue.get()
             if isinstance(item, BaseException):
                 self.unfinished.clear()
+                self.ticket.release_all()
                 raise item
-            if item.finished:
+            if item.finished and item.request_id in self.unfinished:
                 self.unfinished.discard(item.request_id)
+                self.ticket.release(self.n)
             yield tag, item
 
     def abort_unfinished(self) -> None:
         for rid in self.unfinished:
             self.engine.abort(rid)
         self.unfinished.clear()
+        self.ticket.release_all()
 
 
 class AbortingStream(StreamingResponse):
@@ -85,6 +95,9 @@ class Serving:
         self.engine = engine
         self.core = engine.engine  # read-only use: tokenizer, config, validation helpers
         self.config = config
+        self.admission = Admission(self.core.config.scheduler.max_num_seqs,
+                                   config.max_queued_requests)
+        self.text = PromptTokenizer(self.core.tokenizer, config.max_model_len)
 
     # ---- checks -------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -92,12 +105,12 @@ class Serving:
             raise APIError(404, f"The model `{name}` does not exist.", param="model",
                            code="model_not_found")
 
-    def check_capacity(self) -> None:
-        limit = self.config.max_queued_requests
-        if self.engine.num_waiting >= limit:
-            raise APIError(429, f"too many requests waiting ({self.engine.num_waiting}, limit "
-                                f"{limit}); retry later", code="too_many_queued_requests",
-                           headers={"Retry-After": "1"})
+    def check_num_prompts(self, num_prompts: int, n: int) -> None:
+        limit = self.config.max_prompts_per_request
+        if num_prompts > limit:
+            raise bad_request(f"the request has {num_prompts} prompts; this server accepts at "
+                              f"most {limit} per request", "prompt")
+        self.admission.check_size(num_prompts, n)
 
     def sampling_params(self, req: _SamplingFields, max_tokens: int | None,
                         logprobs: int | None) -> SamplingParams:
@@ -114,16 +127,19 @@ class Serving:
                 structured_outputs=structured, **given)
             params.validate_token_ids(self.core.config.model.vocab_size)
         except ValueError as e:
-            raise bad_request(str(e), param=str(e).split(" ")[0]) from None
+            raise invalid_value(e, type(req).model_fields) from None
         return params
 
-    def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, str):
-            return self.core.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids; a text too long to fit is refused before tokenizing."""
+        self.text.check_length(text, param)
+        return await self.text.encode(text, add_special_tokens)
+
+    def token_ids(self, ids: list[int], param: str) -> list[int]:
         try:
-            return self.core.tokenize_prompt(prompt)[1]
+            return self.core.tokenize_prompt(ids)[1]
         except ValueError as e:
-            raise bad_request(str(e), param="prompt") from None
+            raise invalid_value(e, default=param) from None
 
     def check_prompt(self, ids: list[int], params: SamplingParams, param: str) -> None:
         max_len = self.config.max_model_len
@@ -137,7 +153,11 @@ class Serving:
         except ValueError as e:
             raise bad_request(str(e), "max_tokens") from None
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        """The chat template's text, rendered in a worker thread (it may be long)."""
+        return await asyncio.to_thread(self._render_chat, messages, add_generation_prompt)
+
+    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
         msgs = [{**m.model_dump(exclude_none=True, exclude={"content"}),
                  "content": _message_text(m)} for m in messages]
         try:
@@ -150,12 +170,21 @@ class Serving:
 
     # ---- running ------------------------------------------------------------------------------
     async def start(self, prompts: list[list[int]], params: SamplingParams, prefix: str) -> Run:
-        self.check_capacity()
-        await precompile(self.core, params.structured_outputs)
+        # No await before admit(): concurrent requests are counted in the order they get here.
+        ticket = self.admission.admit(len(prompts) * params.n)
+        try:
+            await precompile(self.core, params.structured_outputs)
+            return await self._add(prompts, params, prefix, ticket)
+        except BaseException:
+            ticket.release_all()
+            raise
+
+    async def _add(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
+                   ticket: Ticket) -> Run:
         sink = RequestSink()
         base = f"{prefix}-{uuid.uuid4().hex}"
         ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
-        run = Run(self.engine, sink, base, ids)
+        run = Run(self.engine, sink, base, ids, ticket, params.n)
         now = time.monotonic()
         results = await asyncio.gather(*(
             self.engine.add_request(p, params, rid, sink, tag=i, arrival_time=now)
@@ -164,7 +193,7 @@ class Serving:
         if errors:
             run.abort_unfinished()
             if isinstance(errors[0], ValueError):
-                raise bad_request(str(errors[0]), "prompt") from None
+                raise invalid_value(errors[0], default="prompt") from None
             raise errors[0]
         return run
 

@@ -2,15 +2,37 @@
 
 Value ranges are checked by `SamplingParams` (one source of truth, clear messages -> 400); the
 models here check types only, plus a cap on `n` so one request cannot create unbounded work.
+Types are checked strictly where JSON's loose values would be silently reinterpreted: a boolean
+is never a number, token ids are JSON integers, numbers are finite in float32 (the precision the
+sampling parameters are used in), and text is valid Unicode (JSON can spell a lone UTF-16
+surrogate, which no tokenizer can encode).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
+from pydantic.types import AllowInfNan
+
+from photon.server.validation import (
+    check_float32,
+    check_prompt_shape,
+    check_text,
+    check_text_tree,
+    not_bool,
+)
 
 MAX_N = 128  # completions per prompt
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's roles
+
+Int = Annotated[int, BeforeValidator(not_bool)]
+Float = Annotated[float, BeforeValidator(not_bool), AllowInfNan(False),
+                  AfterValidator(check_float32)]
+Text = Annotated[str, AfterValidator(check_text)]
+JsonObject = Annotated[dict[str, Any], AfterValidator(check_text_tree)]
+TokenIds = list[StrictInt]
+Prompt = Annotated[Text | list[Text] | TokenIds | list[TokenIds], BeforeValidator(check_prompt_shape)]
 
 
 class _Request(BaseModel):
@@ -22,9 +44,9 @@ class StreamOptions(_Request):
 
 
 class JsonSchemaFormat(_Request):
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    name: Text | None = None
+    description: Text | None = None
+    schema_: JsonObject | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
@@ -39,78 +61,78 @@ class StructuredOutputsRequest(_Request):
     """vLLM's `structured_outputs` request field: exactly one of json, regex, choice, grammar
     (or json_object); any_whitespace / max_whitespace allow (bounded) free JSON whitespace."""
 
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    json_: JsonObject | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
     json_object: bool | None = None
     any_whitespace: bool = False
-    max_whitespace: int | None = None
+    max_whitespace: Int | None = None
 
 
 class _SamplingFields(_Request):
-    model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    model: Text | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    n: Int = Field(1, ge=1, le=MAX_N)
+    seed: Int | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    min_tokens: Int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Prompt
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
 
 
 class ContentPart(_Request):
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(_Request):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: Role
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True
 
 
 class TokenizeRequest(_Request):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Request):
-    model: str | None = None
-    tokens: list[int]
+    model: Text | None = None
+    tokens: TokenIds
 
 
 # ---- responses (documented in the OpenAPI schema; handlers build plain dicts) -----------------
