@@ -1,7 +1,7 @@
 """GrammarCache: compile futures by spec key, least recently used first, bounded in bytes.
 
-An entry's size is its key's text plus, once compiled, the compiled grammar's memory (the
-backend's `memory_bytes`); a failed compile stays cached at its key's size (the same bad spec is
+An entry's size is its key's text plus, once compiled, the compiled grammar's memory (as the
+backend reports it); a failed compile stays cached at its key's size (the same bad spec is
 answered at once), a compile in progress counts its key only. Eviction drops least recently used
 entries until the total fits, skipping pinned ones: a request that holds a compile future but has
 not opened its matcher yet pins the entry, because the grammar worker's copy goes with it. Every
@@ -12,10 +12,8 @@ Not thread-safe: the manager calls it under its lock.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(eq=False)
@@ -26,9 +24,8 @@ class _Entry:
 
 
 class GrammarCache:
-    def __init__(self, limit_bytes: int, memory_bytes: Callable[[Any], int]) -> None:
+    def __init__(self, limit_bytes: int) -> None:
         self.limit_bytes = limit_bytes
-        self._memory_bytes = memory_bytes
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self.nbytes = 0
 
@@ -53,15 +50,14 @@ class GrammarCache:
         self.nbytes += entry.nbytes
         return dropped + self._evict()
 
-    def compiled(self, key: tuple, future: Future) -> list[tuple]:
-        """`future` finished: its entry (if still cached) takes the compiled grammar's size."""
+    def compiled(self, key: tuple, future: Future, nbytes: int) -> list[tuple]:
+        """`future` finished with a grammar of `nbytes` (0: it failed): its entry (if still
+        cached) grows by that."""
         entry = self._entries.get(key)
-        if entry is None or entry.future is not future or future.cancelled():
+        if entry is None or entry.future is not future:
             return []
-        if future.exception() is None:
-            grown = self._memory_bytes(future.result())
-            entry.nbytes += grown
-            self.nbytes += grown
+        entry.nbytes += nbytes
+        self.nbytes += nbytes
         return self._evict()
 
     def pin(self, key: tuple, future: Future) -> None:

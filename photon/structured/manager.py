@@ -56,7 +56,7 @@ class StructuredOutputManager:
         self.limits = limits or GrammarLimits()
         # Reentrant: a compile that finishes at once runs its done-callback inside compile().
         self._lock = threading.RLock()
-        self._cache = GrammarCache(cache_bytes, lambda compiled: self.backend.memory_bytes(compiled))
+        self._cache = GrammarCache(cache_bytes)
         self._pool = CompilePool(COMPILE_SLOTS)
         # The backend's threads for a step's mask fills (in whichever process fills).
         self.fill_threads = fill_threads
@@ -130,14 +130,19 @@ class StructuredOutputManager:
                 fut = self._pool.submit(partial(backend.compile, spec), is_heavy(key))
                 executor.prepare(key, spec)
                 self._forget(self._cache.put(key, fut))
-                fut.add_done_callback(partial(self._compiled, key))
+                # weak: the cache holds the future, so a strong callback would be a cycle that
+                # keeps a dropped engine's grammar worker running until a garbage collection
+                fut.add_done_callback(partial(_compiled, weakref.ref(self), key))
             if pin:
                 self._cache.pin(key, fut)
             return fut
 
-    def _compiled(self, key: tuple, fut: Future) -> None:
+    def compiled(self, key: tuple, fut: Future) -> None:
+        """`fut` (the compile of `key`) is done: its cache entry takes the grammar's size."""
+        ok = not fut.cancelled() and fut.exception() is None
+        nbytes = self.backend.memory_bytes(fut.result()) if ok else 0
         with self._lock:
-            self._forget(self._cache.compiled(key, fut))
+            self._forget(self._cache.compiled(key, fut, nbytes))
 
     def _forget(self, keys: list[tuple]) -> None:
         for key in keys:
@@ -221,6 +226,12 @@ class StructuredOutputManager:
         self._pool.shutdown()
         if self._executor is not None:
             self._executor.shutdown()
+
+
+def _compiled(manager: weakref.ref[StructuredOutputManager], key: tuple, fut: Future) -> None:
+    alive = manager()
+    if alive is not None:
+        alive.compiled(key, fut)
 
 
 class RequestGrammar:
