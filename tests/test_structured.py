@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from photon import LLM, SamplingParams
+from photon.structured.compile_pool import PoolCounts
 from photon.structured.executor import StepJob
 from photon.structured.params import StructuredOutputsParams as SO
 
@@ -200,13 +201,13 @@ def test_compile_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="structured_outputs_timeout"):
         llm.generate("x", SamplingParams(structured_outputs=SO(regex="[a-z]{3}")), use_tqdm=False)
     assert slow.key() not in manager.cache
-    assert manager.pool.counts() == {"queued": 0, "running": 0, "abandoned": 2}
+    assert manager.pool.counts() == PoolCounts(0, 0, 2)
     good = SamplingParams(temperature=0, max_tokens=20, structured_outputs=SO(choice=["x", "y"]))
     assert llm.generate("ok", good, use_tqdm=False)[0].outputs[0].text in ("x", "y")
     core.assert_drained()
     gate.set()  # the expired compiles return; their results are dropped
     deadline = time.monotonic() + 120
-    while manager.pool.counts()["abandoned"]:
+    while manager.pool.counts().abandoned:
         assert time.monotonic() < deadline, "the expired compiles did not return"
         time.sleep(0.01)
     assert slow.key() not in manager.cache

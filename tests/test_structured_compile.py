@@ -16,7 +16,7 @@ import pytest
 from photon import LLM, SamplingParams
 from photon.config import ConfigError, EngineArgs
 from photon.structured.backend import GrammarError
-from photon.structured.compile_pool import HEAVY_CHARS, CompilePool
+from photon.structured.compile_pool import HEAVY_CHARS, CompilePool, PoolCounts
 from photon.structured.manager import StructuredOutputManager
 from photon.structured.params import GrammarLimits
 from photon.structured.params import StructuredOutputsParams as SO
@@ -84,7 +84,7 @@ def pool() -> Iterator[CompilePool]:
 def test_small_compile_runs_while_heavy_ones_hold_their_lane(pool: CompilePool) -> None:
     gate = _gate()
     heavy = [pool.submit(_blocked(gate, i), heavy=True) for i in range(3)]
-    assert pool.counts() == {"queued": 1, "running": 2, "abandoned": 0}  # slots - 1 heavy
+    assert pool.counts() == PoolCounts(1, 2, 0)  # slots - 1 heavy
     assert pool.submit(lambda: "small", heavy=False).result(WAIT_S) == "small"
     assert not any(f.done() for f in heavy)
     gate.set()
@@ -97,16 +97,16 @@ def test_abandoned_compile_frees_its_slot_and_drops_its_result(pool: CompilePool
     second = pool.submit(_blocked(later), heavy=True)
     third = pool.submit(_blocked(later), heavy=True)  # the heavy lane (2 of 3 slots) is full
     small = [pool.submit(_blocked(later), heavy=False) for _ in range(2)]  # one slot left
-    assert pool.counts() == {"queued": 2, "running": 3, "abandoned": 0}
+    assert pool.counts() == PoolCounts(2, 3, 0)
     assert pool.abandon(first, GrammarError("too slow"))
     with pytest.raises(GrammarError, match="too slow"):
         first.result(0)
     # Its slot is free: the small job starts there; the heavy one still waits, because the
     # abandoned compile keeps running (and counts against the heavy lane) until it returns.
-    assert pool.counts() == {"queued": 1, "running": 3, "abandoned": 1}
+    assert pool.counts() == PoolCounts(1, 3, 1)
     assert not third.done() and not pool.abandon(first, GrammarError("again"))
     gate.set()  # the abandoned compile returns: its result reaches nobody
-    _until(lambda: pool.counts()["abandoned"] == 0, "the abandoned compile to end")
+    _until(lambda: pool.counts().abandoned == 0, "the abandoned compile to end")
     assert isinstance(first.exception(0), GrammarError)
     later.set()
     assert [f.result(WAIT_S) for f in (second, third, *small)] == ["done"] * 4
@@ -120,7 +120,7 @@ def test_abandoned_queued_job_never_runs(pool: CompilePool) -> None:
     gate.set()
     for f in running:
         f.result(WAIT_S)
-    _until(lambda: pool.counts() == {"queued": 0, "running": 0, "abandoned": 0}, "the pool")
+    _until(lambda: pool.counts() == PoolCounts(0, 0, 0), "the pool")
     assert ran == [] and isinstance(queued.exception(0), GrammarError)
 
 
@@ -213,10 +213,10 @@ def test_timed_out_compile_is_expired_not_cached(tokenizer, monkeypatch) -> None
         while not grammar.poll():  # the request's own deadline (0.01 s) expires the compile
             assert time.monotonic() < deadline
     assert spec.key() not in manager.cache and forgotten == [spec.key()]
-    assert manager.pool.counts() == {"queued": 0, "running": 0, "abandoned": 1}
+    assert manager.pool.counts() == PoolCounts(0, 0, 1)
     grammar.release()
     gate.set()  # the abandoned compile ends; its result is dropped
-    _until(lambda: manager.pool.counts()["abandoned"] == 0, "the abandoned compile to end")
+    _until(lambda: manager.pool.counts().abandoned == 0, "the abandoned compile to end")
     assert spec.key() not in manager.cache and manager.cache.nbytes == 0
     manager.shutdown()
 
@@ -275,9 +275,9 @@ def test_worker_forget_abandons_its_compile(tokenizer) -> None:  # noqa: ANN001
     worker._handle(("forget", slow.key()))
     worker._handle(("forget", cheap.key()))
     assert worker.compiles == {}
-    assert worker.pool.counts() == {"queued": 0, "running": 0, "abandoned": 1}
+    assert worker.pool.counts() == PoolCounts(0, 0, 1)
     gate.set()
-    _until(lambda: worker.pool.counts()["abandoned"] == 0, "the abandoned compile to end")
+    _until(lambda: worker.pool.counts().abandoned == 0, "the abandoned compile to end")
     worker.pool.shutdown()
 
 

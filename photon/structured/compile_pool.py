@@ -40,6 +40,15 @@ class _State(enum.Enum):
     DONE = "done"
 
 
+@dataclass(frozen=True)
+class PoolCounts:
+    """Jobs by state: what the lanes decide from."""
+
+    queued: int
+    running: int
+    abandoned: int
+
+
 @dataclass(eq=False)
 class _Job:
     fn: Callable[[], Any]
@@ -100,12 +109,11 @@ class CompilePool:
         for job in jobs:
             job.future.cancel()
 
-    def counts(self) -> dict[str, int]:
-        """Jobs by state (queued, running, abandoned): what the lanes decide from."""
+    def counts(self) -> PoolCounts:
         with self._lock:
-            states = [j.state.value for j in self._jobs.values()]
-        return {s.value: states.count(s.value) for s in (_State.QUEUED, _State.RUNNING,
-                                                         _State.ABANDONED)}
+            states = [j.state for j in self._jobs.values()]
+        return PoolCounts(states.count(_State.QUEUED), states.count(_State.RUNNING),
+                          states.count(_State.ABANDONED))
 
     def _can_start(self, job: _Job, running: int, heavy_busy: int) -> bool:
         if running >= self.slots:
