@@ -376,6 +376,10 @@ def main() -> None:
     # Ctrl-C reaches the whole process group; the engine decides when this process ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     Worker(p.parse_args()).serve()
+    # Exit now: an abandoned compile may still run in C++, and interpreter finalization would
+    # wait for it. Nothing here needs cleaning up (the engine owns the shared memory).
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
