@@ -84,6 +84,9 @@ class EngineConfig:
     structured_outputs_threads: int = 8
     structured_outputs_worker: str = "process"
     structured_outputs_mask_wait: str = "device"
+    structured_outputs_max_chars: int = 65536
+    structured_outputs_max_choices: int = 1024
+    structured_outputs_cache_mb: int = 512
 
     @property
     def pipeline_depth(self) -> int:
@@ -155,6 +158,15 @@ class EngineArgs:
         "device: on CUDA the GPU waits for the allowed-token lists of structured-output "
         "requests, so the engine never stalls on them; host: the engine waits (always so on "
         "CPU). Outputs are the same.", _MASK_WAITS))
+    structured_outputs_max_chars: int = field(default=65536, metadata=_help(
+        "Longest structured-outputs spec a request may give, in characters: a JSON schema (as "
+        "compact JSON), regex, EBNF grammar or all choices together. Longer ones get a 400: "
+        "compile time grows with the spec. 0 = no limit."))
+    structured_outputs_max_choices: int = field(default=1024, metadata=_help(
+        "Most entries in a structured-outputs choice list (400 beyond). 0 = no limit."))
+    structured_outputs_cache_mb: int = field(default=512, metadata=_help(
+        "Memory for compiled grammars kept for reuse by later requests with the same spec, in "
+        "MiB (least recently used ones are dropped beyond it)."))
 
     def create_config(self) -> EngineConfig:
         from photon.model.tiny import resolve_model_path
@@ -190,6 +202,9 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value)
+        for name in ("structured_outputs_max_chars", "structured_outputs_max_choices",
+                     "structured_outputs_cache_mb"):
+            _non_negative(name, getattr(self, name))
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization,
@@ -208,6 +223,9 @@ class EngineArgs:
                 "structured_outputs_worker", self.structured_outputs_worker, _GRAMMAR_WORKERS),
             structured_outputs_mask_wait=_check_choice(
                 "structured_outputs_mask_wait", self.structured_outputs_mask_wait, _MASK_WAITS),
+            structured_outputs_max_chars=self.structured_outputs_max_chars,
+            structured_outputs_max_choices=self.structured_outputs_max_choices,
+            structured_outputs_cache_mb=self.structured_outputs_cache_mb,
         )
 
     @classmethod
@@ -230,6 +248,11 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _non_negative(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
 
 
 def load_hf_config(model_dir: str) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 
 import jsonschema
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from photon import LLM, SamplingParams
+from photon.structured.compile_pool import PoolCounts
 from photon.structured.executor import StepJob
 from photon.structured.params import StructuredOutputsParams as SO
 
@@ -157,54 +159,80 @@ def test_invalid_grammar_raises_and_engine_keeps_serving(llm: LLM, spec: SO, wor
     llm.engine.assert_drained()
 
 
-def _slow_compiles(llm: LLM, monkeypatch: pytest.MonkeyPatch, delay: float) -> None:
+def _gated_regex_compiles(llm: LLM, monkeypatch: pytest.MonkeyPatch,
+                          gate: threading.Event) -> list[SO]:
+    """Regex specs compile only once `gate` opens (in the engine process: the grammar worker
+    compiles its own copy unhindered); returns the specs whose compile started."""
     backend = llm.engine.structured.backend
-    orig = backend.compile
+    orig, started = backend.compile, []
 
-    def slow(spec: SO):  # noqa: ANN202
+    def gated(spec: SO):  # noqa: ANN202
         if spec.regex is not None:
-            time.sleep(delay)
+            started.append(spec)
+            assert gate.wait(120), "test gate never opened"
         return orig(spec)
 
-    monkeypatch.setattr(backend, "compile", slow)
+    monkeypatch.setattr(backend, "compile", gated)
+    return started
+
+
+def _finish_all(core: object) -> dict:
+    outs = {}
+    while core.has_unfinished():  # EngineCore reports failures; it does not raise
+        outs.update({o.request_id: o for o in core.step() if o.finished})
+    return outs
 
 
 def test_compile_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile still running at the request's deadline fails it (and any other request
+    waiting for it), frees its compile slot and is not cached: the next grammars compile while
+    the expired ones still run."""
     llm = LLM(max_model_len=256, structured_outputs_timeout=0.1)
-    _slow_compiles(llm, monkeypatch, 0.6)
-    core = llm.engine
-    core.add_request("slow", SamplingParams(structured_outputs=SO(regex="[0-9]{3}")), "slow")
+    gate = threading.Event()
+    _gated_regex_compiles(llm, monkeypatch, gate)
+    core, manager = llm.engine, llm.engine.structured
+    slow = SO(regex="[0-9]{3}")
+    core.add_request("slow", SamplingParams(structured_outputs=slow), "slow")
     core.add_request("plain", SamplingParams(temperature=0, max_tokens=4), "plain")
-    outs = {}
-    while core.has_unfinished():  # EngineCore reports the failure; it does not raise
-        outs.update({o.request_id: o for o in core.step() if o.finished})
+    outs = _finish_all(core)
     assert "timed out" in outs["slow"].error and outs["slow"].outputs[0].finish_reason == "abort"
     assert outs["plain"].error is None and len(outs["plain"].outputs[0].token_ids) == 4
     core.assert_drained()
     with pytest.raises(ValueError, match="structured_outputs_timeout"):
         llm.generate("x", SamplingParams(structured_outputs=SO(regex="[a-z]{3}")), use_tqdm=False)
-    time.sleep(0.6)  # the slow compiles still occupy the (2-thread) compile pool until then
+    assert slow.key() not in manager.cache
+    assert manager.pool.counts() == PoolCounts(0, 0, 2)
     good = SamplingParams(temperature=0, max_tokens=20, structured_outputs=SO(choice=["x", "y"]))
     assert llm.generate("ok", good, use_tqdm=False)[0].outputs[0].text in ("x", "y")
     core.assert_drained()
+    gate.set()  # the expired compiles return; their results are dropped
+    deadline = time.monotonic() + 120
+    while manager.pool.counts().abandoned:
+        assert time.monotonic() < deadline, "the expired compiles did not return"
+        time.sleep(0.01)
+    assert slow.key() not in manager.cache
 
 
 def test_compiling_request_does_not_block_others(monkeypatch: pytest.MonkeyPatch) -> None:
     llm = LLM(max_model_len=256)
-    _slow_compiles(llm, monkeypatch, 0.5)
+    gate = threading.Event()
+    started = _gated_regex_compiles(llm, monkeypatch, gate)
     core = llm.engine
     regex = "[0-9]{2}"
     core.add_request("g", SamplingParams(structured_outputs=SO(regex=regex), seed=1), "g")
     core.add_request("p", SamplingParams(temperature=0, max_tokens=6), "p")
     order = []
-    while core.has_unfinished():
+    while "p" not in order:
         order += [o.request_id for o in core.step() if o.finished]
-    assert order == ["p", "g"]  # the plain request ran while the grammar compiled
+    assert order == ["p"] and started  # the plain request ran while the grammar compiled
+    gate.set()
+    order += _finish_all(core)
+    assert order == ["p", "g"]
     core.assert_drained()
-    # The compile is cached by spec: a second request with it is admitted at once.
-    t0 = time.monotonic()
+    # The compile is cached by spec: a second request with it does not compile again.
+    compiles = len(started)
     out = llm.generate("x", SamplingParams(structured_outputs=SO(regex=regex)), use_tqdm=False)
-    assert re.fullmatch(regex, out[0].outputs[0].text) and time.monotonic() - t0 < 0.4
+    assert re.fullmatch(regex, out[0].outputs[0].text) and len(started) == compiles
 
 
 def test_min_tokens_does_not_fight_the_grammar(llm: LLM) -> None:

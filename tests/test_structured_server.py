@@ -76,6 +76,11 @@ def test_json_object(client: openai.OpenAI) -> None:
     ({"structured_outputs": {"regex": "(unclosed"}}, "invalid regex"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
+    ({"structured_outputs": {"grammar": 'root ::= "a"' + " " * 70000}},
+     r"grammar is 70,012 characters long; at most 65,536 are allowed "
+     r"\(structured_outputs_max_chars\)"),
+    ({"structured_outputs": {"choice": [str(i) for i in range(1025)]}},
+     "choice has 1,025 entries; at most 1,024"),
 ])
 def test_invalid_structured_outputs_is_400(client: openai.OpenAI, server: LiveServer,
                                            extra: dict, words: str) -> None:

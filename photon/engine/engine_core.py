@@ -32,6 +32,7 @@ from photon.engine.scheduler import Scheduler
 from photon.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from photon.sampling_params import SamplingParams
 from photon.structured.manager import StructuredOutputManager
+from photon.structured.params import GrammarLimits
 from photon.tokenizer import Tokenizer
 from photon.worker.model_runner import ModelRunner
 from photon.worker.sampler import derive_key
@@ -73,7 +74,10 @@ class EngineCore:
             config.structured_outputs_backend, self.tokenizer, config.model.vocab_size,
             config.structured_outputs_timeout, fill_threads=config.structured_outputs_threads,
             worker=config.structured_outputs_worker,
-            max_rows=config.scheduler.max_num_seqs, cuda=config.device == "cuda")
+            max_rows=config.scheduler.max_num_seqs, cuda=config.device == "cuda",
+            limits=GrammarLimits(config.structured_outputs_max_chars,
+                                 config.structured_outputs_max_choices),
+            cache_bytes=config.structured_outputs_cache_mb << 20)
         self.runner = ModelRunner(config, structured=self.structured)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)

@@ -46,9 +46,8 @@ def _block(vocab: int) -> int:
     return min(4096, triton.next_power_of_2(max(vocab, 16)))
 
 
-# One program per row: at most B programs for ~132 SMs, so the draw's chunk loop is latency-bound;
-# 32 warps a program keep more loads in flight (H200, 151,936 ids, 32-256 rows: 84 -> 71 us
-# without a mask, 97 -> 74 us with one; docs/benchmarks.md, session 9).
+# One program per row: with a batch smaller than the GPU's SM count the draw's chunk loop is
+# latency-bound, and 32 warps a program keep more loads in flight.
 DRAW_WARPS = 32
 
 

@@ -52,10 +52,11 @@ async def precompile(core: EngineCore, spec: StructuredOutputsParams | None,
     manager = core.structured
     try:
         fut = await asyncio.to_thread(manager.compile, spec)  # the first call builds the backend
-        # shield: a timeout must not cancel the shared, cached compile
+        # shield: the wait's own timeout must not cancel the shared future; expire() fails it
+        # for every request waiting on it and frees its compile slot
         await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), manager.timeout_s)
     except asyncio.TimeoutError:
-        raise bad_request(f"grammar compilation timed out after {manager.timeout_s:g} s "
-                          f"(structured_outputs_timeout)", param) from None
+        manager.expire(spec.key(), fut)
+        raise bad_request(manager.timeout_message, param) from None
     except ValueError as e:
         raise bad_request(str(e), param) from None

@@ -39,6 +39,9 @@ class GrammarBackend(Protocol):
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the grammar's start."""
 
+    def memory_bytes(self, compiled: Any) -> int:
+        """The memory a compiled grammar holds (the compile cache is bounded by its sum)."""
+
     @property
     def stop_token_ids(self) -> frozenset[int]:
         """The tokens that end a grammar: a matcher accepts one only where its grammar may end,

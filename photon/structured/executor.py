@@ -9,10 +9,9 @@ latest.
 
 - `InlineExecutor` runs the job at `submit`, on the engine thread (no overlap).
 - `ProcessExecutor` (photon.structured.worker) runs it in a grammar-worker process, beside the
-  engine thread's Python: the fill (xgrammar's C++, ~0.2-0.6 ms a step for 32-128 JSON rows on the
-  H200 host) leaves the engine's critical path. Threads could not do this: a thread needs the GIL
-  to start and finish the call, and the hand-offs cost more than the overlap saved (session 6/7
-  measurements in docs/benchmarks.md).
+  engine thread's Python: the fill (xgrammar's C++) leaves the engine's critical path. A thread
+  in the engine process would not: it needs the GIL to start and finish each call, so its
+  hand-offs contend with the engine thread's Python.
 
 Matchers are addressed by handle (`open` returns one per sequence; `close` frees it): a small
 integer, reused once closed, that indexes the executor's matcher table (the engine keeps it in a

@@ -1,16 +1,21 @@
 """StructuredOutputManager: compiles grammars off the engine thread, caches them by spec, and
 hands each sequence its own matcher once its grammar is ready.
 
-- `compile(spec)` returns a `concurrent.futures.Future` shared by every request with an equal spec
-  (the cache holds futures, so a second request for a grammar still compiling waits for the same
-  compile). It is thread-safe: the server awaits it on the event loop to answer 400 early.
+- `compile(spec)` checks the spec against the size limits (`GrammarLimits`), then returns a
+  `concurrent.futures.Future` shared by every request with an equal spec (the cache holds
+  futures, so a second request for a grammar still compiling waits for the same compile). It is
+  thread-safe: the server awaits it on the event loop to answer 400 early. Compiles run on a
+  `CompilePool` (a small grammar is never queued behind heavy ones); the cache is bounded in
+  bytes (photon.structured.grammar_cache) and the grammar worker keeps exactly the engine's
+  cached grammars plus those its open matchers use.
 - `RequestGrammar` is the per-sequence state the scheduler sees: `poll()` says whether the grammar
   is ready, failed (with the message) or still compiling; after that its matcher (a handle into
   the executor: photon.structured.executor) accepts the committed tokens and fills the next-token
   masks, one job per step (`submit` after commit(t)'s wait, `wait` by commit(t+1)); which rows
   a job touches is photon.structured.rows' business.
-- A compile that outlives `timeout_s` (measured from the request's arrival) fails that request
-  with a GrammarError; the thread keeps running and its result may still serve later requests.
+- A compile that outlives `timeout_s` (measured from the request's arrival) is expired: it fails
+  every request waiting for it with a GrammarError, frees its compile slot and leaves the cache
+  (here and in the grammar worker); its thread's result is dropped.
 """
 
 from __future__ import annotations
@@ -18,25 +23,27 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from functools import partial
 
 import numpy as np
 
 from photon.structured.backend import GrammarBackend, GrammarError, create_backend
 from photon.structured.bitmask import TokenMask
+from photon.structured.compile_pool import COMPILE_SLOTS, CompilePool, is_heavy
 from photon.structured.executor import GrammarExecutor, InlineExecutor, StepJob
-from photon.structured.params import StructuredOutputsParams
+from photon.structured.grammar_cache import GrammarCache
+from photon.structured.params import GrammarLimits, StructuredOutputsParams
 from photon.tokenizer import Tokenizer
 
-CACHE_ENTRIES = 1024
 WORKERS = ("process", "inline")
 
 
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: Tokenizer, vocab_size: int, timeout_s: float,
-                 max_workers: int = 2, fill_threads: int = 8, worker: str = "inline",
-                 max_rows: int = 256, cuda: bool = False) -> None:
+                 fill_threads: int = 8, worker: str = "inline", max_rows: int = 256,
+                 cuda: bool = False, limits: GrammarLimits | None = None,
+                 cache_bytes: int = 512 << 20) -> None:
         if worker not in WORKERS:
             raise ValueError(f"structured_outputs_worker must be one of {', '.join(WORKERS)}; "
                              f"got {worker!r}")
@@ -46,9 +53,11 @@ class StructuredOutputManager:
         self.timeout_s = timeout_s
         self._backend: GrammarBackend | None = None
         self._executor: GrammarExecutor | None = None
-        self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="photon-grammar")
+        self.limits = limits or GrammarLimits()
+        # Reentrant: a compile that finishes at once runs its done-callback inside compile().
+        self._lock = threading.RLock()
+        self._cache = GrammarCache(cache_bytes)
+        self._pool = CompilePool(COMPILE_SLOTS)
         # The backend's threads for a step's mask fills (in whichever process fills).
         self.fill_threads = fill_threads
         self.worker, self.max_rows, self.cuda = worker, max_rows, cuda
@@ -109,23 +118,67 @@ class StructuredOutputManager:
             time.sleep(0.01)
         return executor.ready()
 
-    def compile(self, spec: StructuredOutputsParams) -> Future:
+    def compile(self, spec: StructuredOutputsParams, pin: bool = False) -> Future:
+        """The compile of `spec` (raises ValueError past a size limit); `pin`: the caller will
+        open a matcher on it (see `unpin`)."""
+        self.limits.check(spec)
         key = spec.key()
         with self._lock:
             backend, executor = self._backend_locked(), self._executor_locked()
             fut = self._cache.get(key)
             if fut is None or fut.cancelled():
-                fut = self._pool.submit(backend.compile, spec)
+                fut = self._pool.submit(partial(backend.compile, spec), is_heavy(key))
                 executor.prepare(key, spec)
-                self._cache[key] = fut
-                if len(self._cache) > CACHE_ENTRIES:
-                    executor.forget(self._cache.popitem(last=False)[0])
-            else:
-                self._cache.move_to_end(key)
+                self._forget(self._cache.put(key, fut))
+                # weak: the cache holds the future, so a strong callback would be a cycle that
+                # keeps a dropped engine's grammar worker running until a garbage collection
+                fut.add_done_callback(partial(_compiled, weakref.ref(self), key))
+            if pin:
+                self._cache.pin(key, fut)
             return fut
 
+    def compiled(self, key: tuple, fut: Future) -> None:
+        """`fut` (the compile of `key`) is done: its cache entry takes the grammar's size."""
+        ok = not fut.cancelled() and fut.exception() is None
+        nbytes = self.backend.memory_bytes(fut.result()) if ok else 0
+        with self._lock:
+            self._forget(self._cache.compiled(key, fut, nbytes))
+
+    def _forget(self, keys: list[tuple]) -> None:
+        for key in keys:
+            try:
+                self.executor.forget(key)
+            except RuntimeError:
+                pass  # the grammar worker is gone, and its grammars with it
+
+    def unpin(self, key: tuple, fut: Future) -> None:
+        """A request pinned on `compile` opened its matcher or ended: its entry may be evicted."""
+        with self._lock:
+            self._forget(self._cache.unpin(key, fut))
+
+    def expire(self, key: tuple, fut: Future) -> None:
+        """A compile ran out of time: every request waiting for it fails, its slot is freed and
+        it leaves the cache (here and in the grammar worker)."""
+        with self._lock:  # a compile that just finished stays: its requests open matchers
+            if self._pool.abandon(fut, GrammarError(self.timeout_message)):
+                self._forget(self._cache.pop(key, fut))
+
+    @property
+    def timeout_message(self) -> str:
+        return (f"grammar compilation timed out after {self.timeout_s:g} s "
+                f"(structured_outputs_timeout)")
+
+    @property
+    def cache(self) -> GrammarCache:
+        """Compiled grammars by spec key (read it under no other lock: tests and stats)."""
+        return self._cache
+
+    @property
+    def pool(self) -> CompilePool:
+        return self._pool
+
     def request_grammar(self, spec: StructuredOutputsParams) -> RequestGrammar:
-        return RequestGrammar(self, spec.key(), self.compile(spec),
+        return RequestGrammar(self, spec.key(), self.compile(spec, pin=True),
                               time.monotonic() + self.timeout_s)
 
     def submit(self, job: StepJob, mask: TokenMask | None, index: int = 0) -> None:
@@ -169,9 +222,16 @@ class StructuredOutputManager:
         self._closing = []
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Cancel queued and running compiles without waiting for them, then stop the worker."""
+        self._pool.shutdown()
         if self._executor is not None:
             self._executor.shutdown()
+
+
+def _compiled(manager: weakref.ref[StructuredOutputManager], key: tuple, fut: Future) -> None:
+    alive = manager()
+    if alive is not None:
+        alive.compiled(key, fut)
 
 
 class RequestGrammar:
@@ -185,6 +245,7 @@ class RequestGrammar:
         self.deadline = deadline
         self.handle: int | None = None  # the executor's matcher handle, once compiled
         self.terminated = False  # its stop token was committed: no more tokens
+        self._pinned = True  # its cache entry stays until its matcher is open (or it ends)
 
     def poll(self) -> bool:
         """True once the matcher is ready; False while compiling (or while the grammar worker
@@ -192,10 +253,9 @@ class RequestGrammar:
         if self.handle is not None:
             return True
         if not self.future.done():
-            if time.monotonic() >= self.deadline:
-                raise GrammarError(f"grammar compilation timed out after "
-                                   f"{self.manager.timeout_s:g} s (structured_outputs_timeout)")
-            return False
+            if time.monotonic() < self.deadline:
+                return False
+            self.manager.expire(self.key, self.future)
         if self.future.cancelled():
             raise GrammarError("grammar compilation was cancelled (the engine is shutting down)")
         exc = self.future.exception()
@@ -209,10 +269,17 @@ class RequestGrammar:
             self.manager.open_grammars[self.handle] = self
         except RuntimeError as e:  # the grammar worker is gone: this request fails, not the engine
             raise GrammarError(f"structured outputs are unavailable: {e}") from None
+        self._unpin()
         return True
+
+    def _unpin(self) -> None:
+        if self._pinned:
+            self._pinned = False
+            self.manager.unpin(self.key, self.future)
 
     def release(self) -> None:
         """The sequence is done: no step in flight samples for it any more."""
+        self._unpin()
         if self.handle is not None:
             self.manager.close(self.handle)
             self.handle = None

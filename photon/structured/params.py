@@ -66,8 +66,30 @@ class StructuredOutputsParams:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     def key(self) -> tuple[str, str, bool, int | None]:
-        """Cache key of the compiled grammar: equal specs compile once."""
+        """Cache key of the compiled grammar: equal specs compile once. Its text (a JSON schema
+        or choice list as compact JSON, else the regex or grammar) is what the size limit bounds."""
         kind = self.kind
         value = getattr(self, kind)
-        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True,
+                                                               separators=(",", ":"))
         return kind, text, self.any_whitespace, self.max_whitespace
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """Bounds on what one request may ask to compile: compile cost grows with the spec (for some
+    grammars faster than linearly), so an unbounded spec could hold a compile thread and its
+    memory for as long as it likes. 0 disables a limit."""
+
+    max_chars: int = 65536  # the spec's text: JSON schema (compact JSON), regex, grammar, choices
+    max_choices: int = 1024
+
+    def check(self, spec: StructuredOutputsParams) -> None:
+        """Raise ValueError naming the limit, the value and the engine argument that sets it."""
+        if spec.choice is not None and 0 < self.max_choices < len(spec.choice):
+            _fail(f"choice has {len(spec.choice):,} entries; at most {self.max_choices:,} are "
+                  f"allowed (structured_outputs_max_choices)")
+        size = len(spec.key()[1])
+        if 0 < self.max_chars < size:
+            _fail(f"{spec.kind} is {size:,} characters long; at most {self.max_chars:,} are "
+                  f"allowed (structured_outputs_max_chars)")

@@ -30,6 +30,7 @@ import mmap
 import os
 import pickle
 import select
+import signal
 import socket
 import struct
 import subprocess
@@ -38,7 +39,8 @@ import tempfile
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -46,6 +48,7 @@ import numpy as np
 import torch
 
 from photon.structured.bitmask import TokenMask, mask_numel, mask_views
+from photon.structured.compile_pool import COMPILE_SLOTS, CompilePool, is_heavy
 from photon.structured.executor import Handles, JobClock, StepJob, run_job
 from photon.tokenizer import Tokenizer
 
@@ -242,10 +245,8 @@ class SharedFile:
 
 
 # With a GPU, both ends poll the socket for up to this long after the last message instead of
-# sleeping in recv(), so neither pays a thread wake-up per step (a step is ~2 ms). The final H200
-# runs (docs/benchmarks.md, 7f-7h) used it; on its own it did not make the worker's job faster
-# (7e vs 7f, different machines), so what it buys is not measured apart. On CPU the cores are the
-# forward's, so nobody spins.
+# sleeping in recv(), so neither pays a thread wake-up per step (a decode step is a few ms, so
+# the next message usually comes within it). On CPU the cores are the forward's, so nobody spins.
 SPIN_S = 0.05
 
 
@@ -308,31 +309,43 @@ class Worker:
             tokenizer = pickle.load(f)  # written by this package's engine: trusted
         self.backend = create_backend(ns.backend, tokenizer, ns.vocab_size, ns.threads)
         self.spin_s = ns.spin_us / 1e6
+        # The engine's cached grammars (it sends "forget" when its cache drops one); a matcher
+        # keeps its own grammar alive until it is closed.
         self.compiles: dict[tuple, Future] = {}
-        self.pool = ThreadPoolExecutor(2, thread_name_prefix="photon-worker-compile")
+        self.pool = CompilePool(COMPILE_SLOTS, "photon-worker-compile")
         self.matchers: dict[int, Any] = {}
 
     def serve(self) -> None:
-        self.conn.send(("ready",))
-        while True:
-            self._readable.spin(self.spin_s)
-            try:
+        """Until the engine closes its end (or the connection breaks): then return quietly, with
+        no compile waited for (the pool's threads are daemons)."""
+        try:
+            self.conn.send(("ready",))
+            while True:
+                self._readable.spin(self.spin_s)
                 data = self.conn.recv_bytes()
-            except EOFError:
-                return  # the engine is gone
-            if data[:1] == b"S":
-                self.conn.send_bytes(self._step(*STEP.unpack(data)[1:]))
-                continue
-            msg = pickle.loads(data)  # from this package's engine: trusted
-            kind = msg[0]
-            if kind == "compile":
-                self.compiles[msg[1]] = self.pool.submit(self.backend.compile, msg[2])
-            elif kind == "forget":
-                self.compiles.pop(msg[1], None)
-            elif kind == "open":
-                self.matchers[msg[1]] = self.backend.matcher(self.compiles[msg[2]].result())
-            elif kind == "close":
-                self.matchers.pop(msg[1], None)
+                if data[:1] == b"S":
+                    self.conn.send_bytes(self._step(*STEP.unpack(data)[1:]))
+                else:
+                    self._handle(pickle.loads(data))  # from this package's engine: trusted
+        except (EOFError, OSError):
+            pass  # the engine is gone (closed, or reset with our message unread)
+        finally:
+            self.pool.shutdown()
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "compile":
+            key, spec = msg[1], msg[2]
+            self.compiles[key] = self.pool.submit(partial(self.backend.compile, spec),
+                                                  is_heavy(key))
+        elif kind == "forget":
+            fut = self.compiles.pop(msg[1], None)
+            if fut is not None:  # still compiling (it timed out): its slot is freed
+                self.pool.abandon(fut, RuntimeError("forgotten"))
+        elif kind == "open":
+            self.matchers[msg[1]] = self.backend.matcher(self.compiles[msg[2]].result())
+        elif kind == "close":
+            self.matchers.pop(msg[1], None)
 
     def _step(self, n: int, m: int, index: int, rows: int, words: int, seq: int) -> bytes:
         try:
@@ -360,7 +373,13 @@ def main() -> None:
     for name in ("sock", "mem", "init", "vocab-size", "threads", "max-rows", "words", "spin-us"):
         p.add_argument(f"--{name}", type=int, required=True)
     p.add_argument("--backend", required=True)
+    # Ctrl-C reaches the whole process group; the engine decides when this process ends.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     Worker(p.parse_args()).serve()
+    # Exit now: an abandoned compile may still run in C++, and interpreter finalization would
+    # wait for it. Nothing here needs cleaning up (the engine owns the shared memory).
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,16 @@
 vocabulary and decoder type), so `transformers` is never needed at run time.
 
 xgrammar is told the tokenizer's id range, not the model's (often padded) vocabulary: it treats
-every id without a string as special, and its `accept_token` scans the special ids, so 150k
-padding ids (photon-tiny's tokenizer on a 151,936-wide model) cost 28 us per accept against
-2 us for 1k. Ids past the tokenizer can never be produced under a grammar: mask rows are the
-tokenizer's words wide (`mask_words`), and the apply treats the ids past them as disallowed.
+every id without a string as special, and its `accept_token` scans the special ids, so padding
+ids would make every accept scan them. Ids past the tokenizer can never be produced under a
+grammar: mask rows are the tokenizer's words wide (`mask_words`), and the apply treats the ids
+past them as disallowed.
 
 A step's masks are filled by xgrammar's `BatchGrammarMatcher`: no Python per row, the GIL released.
-Its own threaded mode starts threads on every call, which on the H200 host made every benchmark
-batch slower (most rows cost 5-10 us; a few, inside a bounded string or a ranged number, 0.3-1 ms
-with a ~120k vocabulary). `SplitFill` instead deals the rows round-robin to persistent threads,
-each running a one-thread batch call (`--structured-outputs-threads`, default 1)."""
+Its own threaded mode starts threads on every call, which costs more than most rows' fills (a
+row is cheap unless its matcher sits inside a bounded string or a ranged number). `SplitFill`
+instead deals the rows round-robin to persistent threads, each running a one-thread batch call
+(`--structured-outputs-threads`)."""
 
 from __future__ import annotations
 
@@ -127,6 +127,9 @@ class XGrammarBackend:
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
         return XGrammarMatcher(compiled)
+
+    def memory_bytes(self, compiled: xgr.CompiledGrammar) -> int:
+        return int(compiled.memory_size_bytes)
 
     def accept_tokens(self, matchers: list[XGrammarMatcher], tokens: list[int]) -> list[bool]:
         return xgr.BatchGrammarMatcher.batch_accept_token([m.handle for m in matchers], tokens)
