@@ -254,23 +254,28 @@ def test_unknown_engine_kwarg(capsys: pytest.CaptureFixture[str]) -> None:
 
 # ---- KV cache capacity ------------------------------------------------------------------------
 
-def test_request_larger_than_kv_cache(capsys: pytest.CaptureFixture[str]) -> None:
-    llm = LLM(num_gpu_blocks_override=2, block_size=16)
-    msg = "request needs 4 KV blocks (prompt 40 + up to 16 output tokens) but the KV cache has 2"
-    with pytest.raises(ValueError, match=re.escape(msg)):
-        llm.generate([5] * 40, SamplingParams(max_tokens=16), use_tqdm=False)
-    # A request that fits still runs on the same engine.
-    out = llm.generate([5] * 10, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 8
+def test_kv_cache_smaller_than_one_request_refuses_to_start(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A cache that cannot hold one max_model_len request refuses to start, giving both numbers
+    and what to change (it used to start, then fail every long request)."""
+    msg = ("the KV cache has 40 blocks of 16 tokens (640 tokens), but one request of "
+           f"max_model_len={MAX_POS} tokens needs {MAX_POS // 16} blocks; raise "
+           "num_gpu_blocks_override (--num-gpu-blocks-override), or lower max_model_len "
+           "(--max-model-len) to at most 640")
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        LLM(num_gpu_blocks_override=40, block_size=16)
+    err = cli_error(capsys, "--num-gpu-blocks-override", "2", "--block-size", "16", "hi")
+    assert ("the KV cache has 2 blocks of 16 tokens (32 tokens), but one request of "
+            "max_model_len=64 tokens needs 4 blocks") in err
+    with pytest.raises(ConfigError, match=re.escape(
+            "raise kv_cache_memory_bytes (--kv-cache-memory-bytes)")):
+        LLM(kv_cache_memory_bytes=1, block_size=16)
+    # At the limit it starts, and a max_model_len request runs.
+    llm = LLM(num_gpu_blocks_override=2, block_size=16, max_model_len=32)
+    out = llm.generate([5] * 10, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 22
     llm.engine.assert_drained()
-    text = "hello world " * 10
-    n = len(llm.get_tokenizer().encode(text))
-    assert n + 16 <= 64  # fits --max-model-len 64: the KV check is the one that fires
-    need = -(-(n + 16) // 16)
-    assert need > 2
-    err = cli_error(capsys, "--num-gpu-blocks-override", "2", "--max-tokens", "16", text)
-    assert (f"request needs {need} KV blocks (prompt {n} + up to 16 output tokens) "
-            "but the KV cache has 2") in err
 
 
 # ---- the engine survives bad requests ---------------------------------------------------------
