@@ -43,18 +43,20 @@ class LLM:
             return self._run(ids, use_tqdm)
         except BaseException:
             # A bad prompt, a failed request or an interrupt (KeyboardInterrupt): nothing this
-            # call added outlives it (the next call would run it first); all or nothing.
+            # call added outlives it (the next call would run it first); all or nothing. The
+            # engine holds only this call's requests, all finalized now: the drain just ends
+            # the steps in flight, so the engine is clean when the exception leaves.
             self.abort(ids)
+            while self.engine.has_unfinished():
+                self.engine.step()
             raise
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
-        """Abort requests by id (`RequestOutput.request_id`), as vLLM's engine `abort_request`,
-        and run the steps still in flight, so that the engine holds nothing of them. Ids that
-        are unknown or already finished are ignored."""
+        """Abort requests by id (`RequestOutput.request_id`), as vLLM's engine `abort_request`:
+        they produce nothing more; their steps already in flight end with the engine's next
+        steps. Ids that are unknown or already finished are ignored."""
         for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
             self.engine.abort(rid)
-        while self.engine.has_unfinished():
-            self.engine.step()
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -26,6 +26,7 @@ from photon.config import EngineConfig, check_kv_capacity, flag
 from photon.engine.request import Request
 from photon.engine.scheduler import CommittedToken, ScheduledRow, SchedulerOutput
 from photon.model.loader import load_model
+from photon.sampling_params import MAX_LOGPROBS
 from photon.structured.backend import bitmask_width
 from photon.structured.bitmask import TokenMask, mask_numel
 from photon.structured.executor import StepJob
@@ -39,7 +40,6 @@ from photon.worker.sampler import Sampler, SamplingBatch
 from photon.worker.sampling_rows import RowState
 from photon.worker.slots import StepSlot, Streams
 
-MAX_LOGPROBS = 20
 _INT_FIELDS = ("positions", "pool_idx", "slot_mapping", "write_idx", "write_ids", "seq_lens",
                "query_start_loc", "block_tables", "logits_indices", "top_k", "keys", "counters",
                "pool_rows", "prompt_lens", "s_seq_lens", "sample_pool_idx", "ban_rows",
