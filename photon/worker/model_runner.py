@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -85,8 +86,10 @@ class ModelRunner:
                  on_fault: Callable[[Request, str], None] | None = None) -> None:
         self.config = config
         self.structured = structured  # its executor fills grammar masks (steps with a grammar)
-        # Ends a request whose inputs could not be staged (see _assign_row); None: raise.
-        self.on_fault = on_fault
+        # Ends a request whose inputs could not be staged (see _assign_row); None: raise. Held
+        # weakly: the engine owning this runner passes its own method, and a reference cycle
+        # would keep both (and the grammar worker) alive after the engine is dropped.
+        self._on_fault = None if on_fault is None else weakref.WeakMethod(on_fault)
         self.device = torch.device(config.device)
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
@@ -189,11 +192,12 @@ class ModelRunner:
             if req.grammar is not None or self._grammar_rows is not None:
                 self.grammar_rows.assign(req.pool_row, req)
         except Exception as e:  # noqa: BLE001 - one request's values must not stop the engine
-            if self.on_fault is None:
+            on_fault = self._on_fault() if self._on_fault is not None else None
+            if on_fault is None:
                 raise
             self.row_state.assign_inert(req.pool_row, req.num_prompt_tokens)
-            self.on_fault(req, f"internal error: the request's inputs could not be staged "
-                               f"({type(e).__name__}: {e})")
+            on_fault(req, f"internal error: the request's inputs could not be staged "
+                          f"({type(e).__name__}: {e})")
 
     @property
     def grammar_rows(self) -> GrammarRows:
