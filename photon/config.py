@@ -233,6 +233,25 @@ class EngineArgs:
         return [f.name for f in dataclasses.fields(cls)]
 
 
+def flag(name: str) -> str:
+    """An engine argument as users write it: `max_model_len (--max-model-len)`."""
+    return f"{name} (--{name.replace('_', '-')})"
+
+
+def check_kv_capacity(usable_blocks: int, block_size: int, max_model_len: int,
+                      remedy: str) -> None:
+    """Refuse to start when one max_model_len request cannot fit the KV cache (as vLLM does):
+    the engine would start, then fail every long request. `remedy`: how to get more blocks."""
+    need = -(-max_model_len // block_size)
+    if usable_blocks >= need:
+        return
+    fits = usable_blocks * block_size
+    lower = f", or lower {flag('max_model_len')} to at most {fits}" if fits else ""
+    raise ConfigError(
+        f"the KV cache has {usable_blocks} blocks of {block_size} tokens ({fits} tokens), but one "
+        f"request of max_model_len={max_model_len} tokens needs {need} blocks; {remedy}{lower}")
+
+
 def _default_name(model: str | None, model_dir: str) -> str:
     from photon.model.tiny import PHOTON_TINY
 

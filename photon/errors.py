@@ -1,13 +1,12 @@
-"""Exceptions shared by the engine's validation and the server's error mapping."""
+"""Errors that name the request field at fault."""
 
 from __future__ import annotations
 
 
-class ParameterError(ValueError):
-    """A ValueError about one named request parameter: the server answers it with a 400 whose
-    `param` is `self.param` (any ValueError that carries a `param` attribute is read the same way).
-    """
+class ParamError(ValueError):
+    """A request parameter outside its allowed values. `param` names the field (the OpenAI
+    server reports it as the error's `param`); the message says what is allowed."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param

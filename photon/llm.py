@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -36,16 +36,27 @@ class LLM:
     ) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        ids = []
+        ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
                 ids.append(self.engine.add_request(prompt, p, stream=False))
-        except ValueError:
-            for rid in ids:  # all or nothing: a bad prompt leaves no half-submitted batch
-                self.engine.abort(rid)
-            self._drain()
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            # A bad prompt, a failed request or an interrupt (KeyboardInterrupt): nothing this
+            # call added outlives it (the next call would run it first); all or nothing. The
+            # engine holds only this call's requests, all finalized now: the drain just ends
+            # the steps in flight, so the engine is clean when the exception leaves.
+            self.abort(ids)
+            while self.engine.has_unfinished():
+                self.engine.step()
             raise
-        return self._run(ids, use_tqdm)
+
+    def abort(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests by id (`RequestOutput.request_id`), as vLLM's engine `abort_request`:
+        they produce nothing more; their steps already in flight end with the engine's next
+        steps. Ids that are unknown or already finished are ignored."""
+        for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
+            self.engine.abort(rid)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -54,25 +65,14 @@ class LLM:
         try:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
-                    if out.error is not None:
-                        self._fail(ids, out)
+                    if out.error is not None:  # e.g. its grammar did not compile
+                        raise ValueError(f"request {out.request_id}: {out.error}")
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
         finally:
             bar.close()
         return [finished[i] for i in ids]
-
-    def _fail(self, ids: list[str], out: RequestOutput) -> None:
-        """A request failed (e.g. its grammar did not compile): abort the batch, raise."""
-        for rid in ids:
-            self.engine.abort(rid)
-        self._drain()
-        raise ValueError(f"request {out.request_id}: {out.error}")
-
-    def _drain(self) -> None:
-        while self.engine.has_unfinished():
-            self.engine.step()
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -1,23 +1,38 @@
-"""SamplingParams: vLLM's names and meanings, validated at construction."""
+"""SamplingParams: vLLM's names and meanings, validated at construction.
+
+Every numeric field is range-checked here (a `ParamError` naming the field and the allowed range);
+what depends on the model (stop ids inside the vocabulary, top_k capped at it) is checked when a
+request is added. Together they guarantee that an accepted request's values fit the engine's
+int64 / float32 sampling inputs.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from photon.errors import ParamError
 from photon.structured.params import StructuredOutputsParams
 
+MAX_TEMPERATURE = 100.0  # logits / 100 is already close to uniform for any model
+# Repeated tokens' logits are divided or multiplied by repetition_penalty: further from 1 they
+# overflow float32 (1e-45 makes them infinite) or vanish, and sampling stops meaning anything.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_LOGPROBS = 20
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts; the key uses its 64 bits
 
-def _check(cond: bool, message: str) -> None:
+
+def _check(cond: bool, param: str, message: str) -> None:
     if not cond:
-        raise ValueError(message)
+        raise ParamError(param, message)
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_num(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _in_range(value: object, low: float, high: float) -> bool:
+    """A number (bool excluded) in [low, high]; NaN and infinities fail (finite bounds)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
 
 
 @dataclass
@@ -25,7 +40,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
+    top_k: int = 0  # 0 or -1: disabled; above the vocabulary size: every token (capped)
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to max_model_len
@@ -49,46 +64,51 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        self._validate()
-        # The per-step staging reads these six floats for every sampled row (worker/inputs.py).
-        self.float_row = (float(self.temperature), float(self.top_p), float(self.min_p),
-                          float(self.presence_penalty), float(self.frequency_penalty),
-                          float(self.repetition_penalty))
-
-    def _validate(self) -> None:
-        _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        _check(_is_num(self.temperature) and self.temperature >= 0,
-               f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
-        _check(_is_num(self.top_p) and 0 < self.top_p <= 1,
-               f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and self.top_k >= 0,
-               f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1,
-               f"min_p must be in [0, 1], got {self.min_p!r}")
-        _check(self.seed is None or _is_int(self.seed),
-               f"seed must be an integer or None, got {self.seed!r}")
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-               f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
-               f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-               f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        _check(all(isinstance(s, str) and s for s in self.stop),
+        self._validate_ints()
+        self._validate_floats()
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check(_is_num(value) and -2 <= value <= 2,
-                   f"{name} must be in [-2, 2], got {value!r}")
-        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-               f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
         _check(self.structured_outputs is None
                or isinstance(self.structured_outputs, StructuredOutputsParams),
-               f"structured_outputs must be a StructuredOutputsParams, got "
+               "structured_outputs", f"structured_outputs must be a StructuredOutputsParams, got "
                f"{type(self.structured_outputs).__name__}")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-               f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
+
+    def _validate_ints(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}")
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k",
+               f"top_k must be -1 or 0 (disabled) or an integer >= 1, got {self.top_k!r}")
+        low, high = SEED_RANGE
+        _check(self.seed is None or (_is_int(self.seed) and low <= self.seed <= high), "seed",
+               f"seed must be an integer in [-2**63, 2**64 - 1] or None, got {self.seed!r}")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+               "max_tokens", f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+               f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        _check(self.logprobs is None or (_is_int(self.logprobs)
+                                         and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+               f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    def _validate_floats(self) -> None:
+        _check(_in_range(self.temperature, 0.0, MAX_TEMPERATURE), "temperature",
+               f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy), "
+               f"got {self.temperature!r}")
+        _check(_in_range(self.top_p, 0.0, 1.0) and self.top_p > 0, "top_p",
+               f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        _check(_in_range(self.min_p, 0.0, 1.0), "min_p",
+               f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_in_range(value, -2.0, 2.0), name,
+                   f"{name} must be a number in [-2, 2], got {value!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        _check(_in_range(self.repetition_penalty, low, high), "repetition_penalty",
+               f"repetition_penalty must be a number in [{low:g}, {high:g}] (1 = off; repeated "
+               f"tokens' logits are divided or multiplied by it, so values further from 1 "
+               f"overflow or erase them), got {self.repetition_penalty!r}")
 
     @property
     def greedy(self) -> bool:
@@ -99,6 +119,14 @@ class SamplingParams:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
 
+    @property
+    def float_row(self) -> tuple[float, float, float, float, float, float]:
+        """The six floats the sampler reads per row, in `worker.sampling_rows.FLOATS` order."""
+        return (float(self.temperature), float(self.top_p), float(self.min_p),
+                float(self.presence_penalty), float(self.frequency_penalty),
+                float(self.repetition_penalty))
+
     def validate_token_ids(self, vocab_size: int) -> None:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        _check(not bad, f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        _check(not bad, "stop_token_ids",
+               f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")

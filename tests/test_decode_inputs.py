@@ -16,7 +16,7 @@ def test_decode_fast_path_equals_general_path(monkeypatch: pytest.MonkeyPatch) -
 
     def both(rows, state, block_size, pool_width):  # noqa: ANN001, ANN202
         valid = state.pool_valid.copy()
-        general = build_step_arrays(rows, block_size, pool_width, valid)
+        general = build_step_arrays(rows, block_size, pool_width, valid, state)
         got = fast(rows, state, block_size, pool_width)
         assert np.array_equal(valid, state.pool_valid)
         for name, arr in general.ints.items():

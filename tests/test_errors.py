@@ -14,6 +14,7 @@ import pytest
 from photon import LLM, SamplingParams
 from photon.cli import main
 from photon.config import ConfigError
+from photon.errors import ParamError
 from photon.model.tiny import ensure_photon_tiny
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -167,23 +168,28 @@ def test_stop_token_ids_outside_vocabulary(llm: LLM, capsys: pytest.CaptureFixtu
 # (SamplingParams kwargs, the same as CLI flags, expected message)
 BAD_SAMPLING: list[tuple[dict[str, Any], list[str], str]] = [
     ({"temperature": -1}, ["--temperature", "-1"],
-     "temperature must be a number >= 0 (0 = greedy), got -1"),
-    ({"top_p": 0}, ["--top-p", "0"], "top_p must be in (0, 1], got 0"),
-    ({"top_p": 1.5}, ["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
+     "temperature must be a number in [0, 100] (0 = greedy), got -1"),
+    ({"temperature": float("inf")}, ["--temperature", "inf"],
+     "temperature must be a number in [0, 100] (0 = greedy), got inf"),
+    ({"top_p": 0}, ["--top-p", "0"], "top_p must be a number in (0, 1], got 0"),
+    ({"top_p": 1.5}, ["--top-p", "1.5"], "top_p must be a number in (0, 1], got 1.5"),
     ({"top_k": -5}, ["--top-k", "-5"],
-     "top_k must be -1, 0 (disabled) or a positive integer, got -5"),
-    ({"min_p": 2}, ["--min-p", "2"], "min_p must be in [0, 1], got 2"),
+     "top_k must be -1 or 0 (disabled) or an integer >= 1, got -5"),
+    ({"min_p": 2}, ["--min-p", "2"], "min_p must be a number in [0, 1], got 2"),
     ({"n": 0}, ["--n", "0"], "n must be an integer >= 1, got 0"),
     ({"max_tokens": 0}, ["--max-tokens", "0"],
      "max_tokens must be an integer >= 1 or None, got 0"),
     ({"min_tokens": 5, "max_tokens": 3}, ["--min-tokens", "5", "--max-tokens", "3"],
      "min_tokens (5) must be <= max_tokens (3)"),
     ({"presence_penalty": 3}, ["--presence-penalty", "3"],
-     "presence_penalty must be in [-2, 2], got 3"),
+     "presence_penalty must be a number in [-2, 2], got 3"),
     ({"frequency_penalty": -2.5}, ["--frequency-penalty", "-2.5"],
-     "frequency_penalty must be in [-2, 2], got -2.5"),
+     "frequency_penalty must be a number in [-2, 2], got -2.5"),
     ({"repetition_penalty": 0}, ["--repetition-penalty", "0"],
-     "repetition_penalty must be > 0 (1 = off), got 0"),
+     "repetition_penalty must be a number in [0.01, 100] (1 = off; "),
+    ({"repetition_penalty": 1e-45}, ["--repetition-penalty", "1e-45"],
+     "repetition_penalty must be a number in [0.01, 100] (1 = off; repeated tokens' logits are "
+     "divided or multiplied by it, so values further from 1 overflow or erase them), got 1e-45"),
     ({"logprobs": 21}, ["--logprobs", "21"],
      "logprobs must be an integer in [0, 20] or None, got 21"),
     ({"stop": ""}, ["--stop", ""],
@@ -196,9 +202,58 @@ BAD_SAMPLING: list[tuple[dict[str, Any], list[str], str]] = [
                               for k, _, _ in BAD_SAMPLING])
 def test_invalid_sampling_params(kwargs: dict[str, Any], cli_args: list[str], msg: str,
                                  capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(ValueError, match=re.escape(msg)):
+    with pytest.raises(ParamError, match=re.escape(msg)) as e:
         SamplingParams(**kwargs)
+    assert e.value.param == next(iter(kwargs))
     assert msg in cli_error(capsys, "hi", *cli_args)
+
+
+# (field, value, start of the message): every numeric field is bounded, so that an accepted value
+# always fits the engine's int64 / float32 sampling inputs.
+OUT_OF_RANGE: list[tuple[str, Any, str]] = [
+    ("temperature", 1e308, "temperature must be a number in [0, 100]"),
+    ("temperature", float("nan"), "temperature must be a number in [0, 100]"),
+    ("temperature", 10**400, "temperature must be a number in [0, 100]"),
+    ("top_p", float("nan"), "top_p must be a number in (0, 1]"),
+    ("min_p", float("-inf"), "min_p must be a number in [0, 1]"),
+    ("presence_penalty", float("nan"), "presence_penalty must be a number in [-2, 2]"),
+    ("repetition_penalty", float("inf"), "repetition_penalty must be a number in [0.01, 100]"),
+    ("repetition_penalty", 101, "repetition_penalty must be a number in [0.01, 100]"),
+    ("top_k", 2.5, "top_k must be -1 or 0 (disabled) or an integer >= 1"),
+    ("top_k", True, "top_k must be -1 or 0 (disabled) or an integer >= 1"),
+    ("seed", 2**64, "seed must be an integer in [-2**63, 2**64 - 1] or None, got 18446744073709551616"),
+    ("seed", -(2**63) - 1, "seed must be an integer in [-2**63, 2**64 - 1]"),
+    ("seed", 1.5, "seed must be an integer in [-2**63, 2**64 - 1]"),
+    ("n", 1.0, "n must be an integer >= 1"),
+    ("min_tokens", -1, "min_tokens must be an integer >= 0"),
+    ("logprobs", 2**63, "logprobs must be an integer in [0, 20] or None"),
+    ("stop_token_ids", [2**63], None),  # fine here; outside the vocabulary at add_request
+]
+
+
+@pytest.mark.parametrize(("field", "value", "msg"), OUT_OF_RANGE,
+                         ids=[f"{f}={v!r:.20}" for f, v, _ in OUT_OF_RANGE])
+def test_sampling_values_out_of_range_name_the_field(llm: LLM, field: str, value: Any,
+                                                     msg: str | None) -> None:
+    with pytest.raises(ParamError) as e:
+        llm.generate("hi", SamplingParams(**{field: value}), use_tqdm=False)
+    assert e.value.param == field
+    assert msg is None or str(e.value).startswith(msg), str(e.value)
+    llm.engine.assert_drained()
+
+
+def test_sampling_values_at_their_limits_are_accepted(llm: LLM) -> None:
+    """The bounds are inclusive where documented; seeds use all 64 bits (signed or unsigned:
+    -1 and 2**64 - 1 are the same seed)."""
+    edge = [SamplingParams(temperature=100, top_p=1e-9, min_p=1, presence_penalty=-2,
+                           frequency_penalty=2, repetition_penalty=0.01, logprobs=20, seed=0),
+            SamplingParams(temperature=1e-300, repetition_penalty=100, seed=-(2**63)),
+            SamplingParams(temperature=1.0, seed=2**64 - 1, max_tokens=6),
+            SamplingParams(temperature=1.0, seed=-1, max_tokens=6)]
+    outs = llm.generate(["hi"] * len(edge), edge, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) >= 1 for o in outs)
+    assert outs[2].outputs[0].token_ids == outs[3].outputs[0].token_ids
+    llm.engine.assert_drained()
 
 
 # ---- engine args ------------------------------------------------------------------------------
@@ -254,23 +309,28 @@ def test_unknown_engine_kwarg(capsys: pytest.CaptureFixture[str]) -> None:
 
 # ---- KV cache capacity ------------------------------------------------------------------------
 
-def test_request_larger_than_kv_cache(capsys: pytest.CaptureFixture[str]) -> None:
-    llm = LLM(num_gpu_blocks_override=2, block_size=16)
-    msg = "request needs 4 KV blocks (prompt 40 + up to 16 output tokens) but the KV cache has 2"
-    with pytest.raises(ValueError, match=re.escape(msg)):
-        llm.generate([5] * 40, SamplingParams(max_tokens=16), use_tqdm=False)
-    # A request that fits still runs on the same engine.
-    out = llm.generate([5] * 10, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 8
+def test_kv_cache_smaller_than_one_request_refuses_to_start(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A cache that cannot hold one max_model_len request refuses to start, giving both numbers
+    and what to change, instead of starting and then failing every long request."""
+    msg = ("the KV cache has 40 blocks of 16 tokens (640 tokens), but one request of "
+           f"max_model_len={MAX_POS} tokens needs {MAX_POS // 16} blocks; raise "
+           "num_gpu_blocks_override (--num-gpu-blocks-override), or lower max_model_len "
+           "(--max-model-len) to at most 640")
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        LLM(num_gpu_blocks_override=40, block_size=16)
+    err = cli_error(capsys, "--num-gpu-blocks-override", "2", "--block-size", "16", "hi")
+    assert ("the KV cache has 2 blocks of 16 tokens (32 tokens), but one request of "
+            "max_model_len=64 tokens needs 4 blocks") in err
+    with pytest.raises(ConfigError, match=re.escape(
+            "raise kv_cache_memory_bytes (--kv-cache-memory-bytes)")):
+        LLM(kv_cache_memory_bytes=1, block_size=16)
+    # At the limit it starts, and a max_model_len request runs.
+    llm = LLM(num_gpu_blocks_override=2, block_size=16, max_model_len=32)
+    out = llm.generate([5] * 10, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 22
     llm.engine.assert_drained()
-    text = "hello world " * 10
-    n = len(llm.get_tokenizer().encode(text))
-    assert n + 16 <= 64  # fits --max-model-len 64: the KV check is the one that fires
-    need = -(-(n + 16) // 16)
-    assert need > 2
-    err = cli_error(capsys, "--num-gpu-blocks-override", "2", "--max-tokens", "16", text)
-    assert (f"request needs {need} KV blocks (prompt {n} + up to 16 output tokens) "
-            "but the KV cache has 2") in err
 
 
 # ---- the engine survives bad requests ---------------------------------------------------------

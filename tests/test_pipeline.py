@@ -94,7 +94,7 @@ def run(llm: LLM, specs: list[Spec], eos: frozenset[int] | None = None) -> tuple
 
 
 def _engine(pipelined: bool, **kw: object) -> LLM:
-    return LLM(pipelined=pipelined, max_model_len=256, **kw)
+    return LLM(**{"pipelined": pipelined, "max_model_len": 256, **kw})
 
 
 def _mixed_specs() -> list[Spec]:
@@ -124,7 +124,8 @@ def _mixed_specs() -> list[Spec]:
 
 def test_pipelined_equals_blocking_on_mixed_workload() -> None:
     specs = _mixed_specs()
-    kw = dict(block_size=4, max_num_batched_tokens=24, max_num_seqs=6, num_gpu_blocks_override=32)
+    kw = dict(block_size=4, max_num_batched_tokens=24, max_num_seqs=6, num_gpu_blocks_override=32,
+              max_model_len=128)  # the cache holds one max_model_len request, not all of them
     # An EOS id the greedy request r8 produces mid-way, so that EOS ends it mid-batch.
     probe, _ = run(_engine(False, **kw), specs[8:9])
     eos = frozenset({probe["r0"][0][0][5]})
@@ -197,7 +198,8 @@ _spec = st.builds(
 def test_pipelined_equals_blocking_property(specs: list[Spec], block_size: int, budget: int,
                                             tight: bool) -> None:
     kw = dict(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=4,
-              num_gpu_blocks_override=(64 // block_size) + 2 if tight else None)
+              num_gpu_blocks_override=(64 // block_size) + 2 if tight else None,
+              max_model_len=64 if tight else 256)
     blocking, audit_b = run(_engine(False, **kw), specs)
     pipelined, audit_p = run(_engine(True, **kw), specs)
     assert audit_p.schedule == audit_b.schedule
@@ -208,7 +210,7 @@ def test_abort_of_a_preempted_waiting_request_leaves_nothing_behind() -> None:
     """A request preempted (and already released) then aborted while waiting must still leave the
     scheduler's bookkeeping (regression: it stayed in `requests` forever)."""
     llm = _engine(False, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
-                  num_gpu_blocks_override=12)
+                  num_gpu_blocks_override=12, max_model_len=48)
     core = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)

@@ -130,7 +130,7 @@ def test_forced_preemption_gives_identical_outputs(pipelined: bool) -> None:
               SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True)] * 2
     roomy = LLM(block_size=4, max_num_batched_tokens=64, pipelined=pipelined)
     tight = LLM(block_size=4, max_num_batched_tokens=64, pipelined=pipelined,
-                num_gpu_blocks_override=40)
+                num_gpu_blocks_override=40, max_model_len=160)
     expected = _ids(roomy.generate(prompts, params, use_tqdm=False))
     assert _ids(tight.generate(prompts, params, use_tqdm=False)) == expected
     assert tight.engine.scheduler.num_preemptions > 0

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 import photon.server.openai_serving as openai_serving
-from photon.errors import ParameterError
+from photon.errors import ParamError
 from photon.server.tokenization import char_bound
 from photon.tokenizer import Tokenizer
 from tests.server_util import LiveServer, live_server
@@ -116,7 +116,7 @@ def _raising(exc: ValueError) -> Any:
 
 
 @pytest.mark.parametrize(("exc", "param"), [
-    (ParameterError("the seed must fit in 64 bits", param="seed"), "seed"),
+    (ParamError("seed", "the seed must fit in 64 bits"), "seed"),
     (ValueError("top_k must be at most the vocabulary size"), "top_k"),
     (ValueError("a request-wide rule was broken"), None),
 ])

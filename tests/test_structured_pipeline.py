@@ -49,7 +49,8 @@ def _specs() -> list[Spec]:
 
 def test_grammar_pipelined_equals_blocking() -> None:
     specs = _specs()
-    kw = dict(block_size=4, max_num_batched_tokens=24, max_num_seqs=6, num_gpu_blocks_override=40)
+    kw = dict(block_size=4, max_num_batched_tokens=24, max_num_seqs=6, num_gpu_blocks_override=40,
+              max_model_len=160)
     blocking, _ = run(_engine(False, **kw), specs)
     engine = _engine(True, **kw)
     pipelined, audit = run(engine, specs)
@@ -83,7 +84,7 @@ def test_grammar_pipelined_equals_blocking_property(kinds: list, budget: int, ti
                                          structured_outputs=_GRAMMARS[k]), abort)
              for k, seed, prompt, abort in kinds]
     kw = dict(block_size=4, max_num_batched_tokens=budget, max_num_seqs=4,
-              num_gpu_blocks_override=26 if tight else None)
+              num_gpu_blocks_override=26 if tight else None, max_model_len=104 if tight else 256)
     blocking, _ = run(_engine(False, **kw), specs)
     pipelined, _ = run(_engine(True, **kw), specs)
     assert pipelined == blocking

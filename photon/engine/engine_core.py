@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import itertools
-import math
 import random
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED
@@ -36,6 +35,7 @@ from photon.structured.params import GrammarLimits
 from photon.tokenizer import Tokenizer
 from photon.worker.model_runner import ModelRunner
 from photon.worker.sampler import derive_key
+from photon.worker.sampling_rows import pack_sampling_row
 
 
 @dataclass
@@ -59,9 +59,9 @@ class _DeltaState:
 
 def _freeze_startup_heap() -> None:
     """Move everything alive after startup (weights' wrappers, CUDA graphs, tokenizer tables)
-    out of the collector's reach: a full collection scanned it all and stalled a decode step on
-    the H200 for ~110 ms while the GPU waited (bench structured's `gc_ms`). What requests create
-    later is still collected."""
+    out of the collector's reach: a full collection would scan it all on the engine thread and
+    stall a decode step while the GPU waits (bench structured reports collection time as
+    `gc_ms`). What requests create later is still collected."""
     gc.collect()
     gc.freeze()
 
@@ -78,7 +78,7 @@ class EngineCore:
             limits=GrammarLimits(config.structured_outputs_max_chars,
                                  config.structured_outputs_max_choices),
             cache_bytes=config.structured_outputs_cache_mb << 20)
-        self.runner = ModelRunner(config, structured=self.structured)
+        self.runner = ModelRunner(config, structured=self.structured, on_fault=self._fail_request)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.release)
@@ -110,13 +110,9 @@ class EngineCore:
         if num_prompt >= max_len:
             raise ValueError(f"prompt is {num_prompt} tokens long, but max_model_len is {max_len} "
                              f"(prompt plus at least one output token must fit)")
+        # The KV cache holds one max_model_len request (checked at startup): this always fits.
         room = max_len - num_prompt
-        limit = room if params.max_tokens is None else min(params.max_tokens, room)
-        need = math.ceil((num_prompt + limit) / self.config.cache.block_size)
-        if need > self.kv.num_blocks - 1:
-            raise ValueError(f"request needs {need} KV blocks (prompt {num_prompt} + up to "
-                             f"{limit} output tokens) but the KV cache has {self.kv.num_blocks - 1}")
-        return limit
+        return room if params.max_tokens is None else min(params.max_tokens, room)
 
     def check_fits(self, num_prompt: int, max_tokens: int | None) -> None:
         """The server's rule (as vLLM's server): prompt + max_tokens must fit max_model_len.
@@ -134,19 +130,23 @@ class EngineCore:
                     delta: bool = False) -> str:
         """Queue a request; with stream=False, step() reports it only once it is finished;
         with delta=True each output carries only what is new (see the module docstring)."""
-        params.validate_token_ids(self.config.model.vocab_size)
+        vocab = self.config.model.vocab_size
+        params.validate_token_ids(vocab)
         text, ids = self.tokenize_prompt(prompt)
         max_tokens = self._max_tokens(len(ids), params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        # Packed for every child before any is queued: a value that does not fit fails the
+        # whole request here, and staging it later cannot fail.
+        rows = [pack_sampling_row(params, derive_key(seed, i), len(ids), max_tokens, vocab)
+                for i in range(params.n)]
         children = []
-        for i in range(params.n):
+        for i, row in enumerate(rows):
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
-            req = Request(child_id, list(ids), params, self.tokenizer.eos_token_ids,
-                          derive_key(seed, i), max_tokens, prompt=text,
-                          parent_id=request_id, index=i)
+            req = Request(child_id, list(ids), params, self.tokenizer.eos_token_ids, max_tokens,
+                          row, prompt=text, parent_id=request_id, index=i)
             if params.detokenize or params.stop:
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
             if params.structured_outputs is not None:  # compiles once per spec (cached)
@@ -166,6 +166,12 @@ class EngineCore:
             self.scheduler.abort(req.request_id)
         if children:
             self._aborted.append(request_id)
+
+    def _fail_request(self, req: Request, error: str) -> None:
+        """The runner could not stage `req`: it ends (ABORT, with `error`), reported by this
+        step; the other requests go on."""
+        self.scheduler.fail(req, error)
+        self._aborted.append(req.parent_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or not self.pipeline.idle or bool(self._aborted)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from photon.engine.detokenizer import IncrementalDetokenizer
     from photon.sampling_params import SamplingParams
     from photon.structured.manager import RequestGrammar
+    from photon.worker.sampling_rows import SamplingRow
 
 
 class RequestStatus(enum.Enum):
@@ -42,8 +43,10 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: frozenset[int]
-    random_key: int  # counter-based RNG key: same key + same output index = same noise
     max_tokens: int  # resolved: never past max_model_len
+    # The sampler's constants (its counter-based RNG key among them: same key + same output index
+    # = same noise), packed when the request was added.
+    sampling: SamplingRow
     arrival_time: float = field(default_factory=time.monotonic)
     prompt: str | None = None
     parent_id: str | None = None  # set for the children of an n > 1 request

@@ -225,12 +225,17 @@ class Scheduler:
         """Their matchers refused the token commit appended. The mask makes that impossible, so
         it is an engine bug: the request ends (ABORT, with `error`) instead of the engine."""
         for req in requests:
-            req.error = (f"internal error: the grammar rejected sampled token "
-                         f"{req.output_token_ids[-1]}")
-            if req.finalized:
-                req.finish_reason = FinishReason.ABORT
-            else:
-                self.finalize(req, FinishReason.ABORT)
+            self.fail(req, f"internal error: the grammar rejected sampled token "
+                           f"{req.output_token_ids[-1]}")
+
+    def fail(self, req: Request, error: str) -> None:
+        """End `req` with ABORT and `error`, also when it was already finalized (its output must
+        not look complete); the other requests go on."""
+        req.error = error
+        if req.finalized:
+            req.finish_reason = FinishReason.ABORT
+        else:
+            self.finalize(req, FinishReason.ABORT)
 
     def fail_grammars(self, error: str) -> list[Request]:
         """The grammar executor failed (its worker died): no matcher state is left, so every

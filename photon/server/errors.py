@@ -52,7 +52,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 def invalid_value(exc: ValueError, fields: Collection[str] = (),
                   default: str | None = None) -> APIError:
     """A 400 for a validation ValueError. `param` is the exception's `param` attribute when it
-    has one (photon.errors.ParameterError), else the message's first word when that is one of
+    has one (photon.errors.ParamError), else the message's first word when that is one of
     `fields` ("top_p must be in (0, 1], got 2"), else `default`."""
     param = getattr(exc, "param", None)
     if not isinstance(param, str):

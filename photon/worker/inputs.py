@@ -13,9 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from photon.engine.scheduler import ScheduledRow
-from photon.sampling_params import SamplingParams
-
-I64 = np.int64
+from photon.worker.sampling_rows import I64, RowState
 
 
 @dataclass
@@ -30,7 +28,7 @@ class StepArrays:
 
 
 def _token_arrays(rows: list[ScheduledRow], block_size: int, pool_width: int,
-                  pool_valid: list[int]) -> dict[str, np.ndarray]:
+                  pool_valid: np.ndarray) -> dict[str, np.ndarray]:
     """Per-token arrays. Decode rows (one token) take a scalar path: this runs for every row of
     every step, so it avoids per-row numpy calls."""
     positions: list[int] = []
@@ -82,27 +80,19 @@ def _seq_arrays(rows: list[ScheduledRow]) -> dict[str, np.ndarray]:
             "block_tables": tables, "logits_indices": qsl[1:][sample] - 1}
 
 
-def _sampling_arrays(rows: list[ScheduledRow], pool_width: int
+def _sampling_arrays(rows: list[ScheduledRow], pool_width: int, state: RowState
                      ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, bool | int]]:
+    """The sampling rows' constants come from `state` (packed when each request was added), so
+    no request's values are converted here."""
     srows = [r for r in rows if r.sample]
-    reqs = [r.request for r in srows]
-    params = [q.params for q in reqs]
-    ints = {
-        "top_k": _i64([p.top_k for p in params]),
-        "keys": _i64([q.random_key for q in reqs]),
-        "counters": _i64([r.out_index for r in srows]),
-        "pool_rows": _i64([q.pool_row for q in reqs]),
-        "prompt_lens": _i64([q.num_prompt_tokens for q in reqs]),
-        "s_seq_lens": _i64([r.seq_len for r in srows]),
-        "sample_pool_idx": _i64([q.pool_row * pool_width + r.seq_len
-                                 for q, r in zip(reqs, srows)]),
-    }
-    ints["ban_rows"], ints["ban_tokens"] = min_tokens_bans(
-        srows, [i for i, r in enumerate(srows) if r.out_index < r.request.params.min_tokens])
-    table = np.array([p.float_row for p in params], dtype=np.float32).reshape(len(params), 6)
-    floats = {name: table[:, i] for i, name in enumerate(
-        ("temperature", "top_p", "min_p", "presence", "frequency", "repetition"))}
-    return ints, floats, _flags(params)
+    pr = _i64([r.request.pool_row for r in srows])
+    seq_lens = _i64([r.seq_len for r in srows])
+    counters = _i64([r.out_index for r in srows])
+    const = state.gather(pr, counters)
+    ints = {**const.ints, "counters": counters, "pool_rows": pr, "s_seq_lens": seq_lens,
+            "sample_pool_idx": pr * pool_width + seq_lens}
+    ints["ban_rows"], ints["ban_tokens"] = min_tokens_bans(srows, const.below_min_tokens)
+    return ints, const.floats, const.flags
 
 
 def min_tokens_bans(rows: list[ScheduledRow], below: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -122,23 +112,12 @@ def min_tokens_bans(rows: list[ScheduledRow], below: list[int]) -> tuple[np.ndar
     return _i64(ban_rows), _i64(ban_tokens)
 
 
-def _flags(params: list[SamplingParams]) -> dict[str, bool | int]:
-    return {
-        "all_greedy": all(p.greedy for p in params),
-        "any_top_k": any(p.top_k > 0 and not p.greedy for p in params),
-        "any_top_p": any(p.top_p < 1.0 and not p.greedy for p in params),
-        "any_min_p": any(p.min_p > 0.0 and not p.greedy for p in params),
-        "any_penalties": any(p.needs_penalties for p in params),
-        "max_logprobs": max((p.logprobs for p in params if p.logprobs is not None), default=-1),
-        "any_grammar": any(p.structured_outputs is not None for p in params),
-    }
-
-
 def build_step_arrays(rows: list[ScheduledRow], block_size: int, pool_width: int,
-                      pool_valid: list[int]) -> StepArrays:
+                      pool_valid: np.ndarray, state: RowState) -> StepArrays:
+    """`pool_valid` is updated for the rows (the runner passes `state.pool_valid`)."""
     ints = _token_arrays(rows, block_size, pool_width, pool_valid)
     ints.update(_seq_arrays(rows))
-    s_ints, s_floats, flags = _sampling_arrays(rows, pool_width)
+    s_ints, s_floats, flags = _sampling_arrays(rows, pool_width, state)
     ints.update(s_ints)
     return StepArrays(
         ints=ints,

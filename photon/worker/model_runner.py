@@ -16,29 +16,32 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from photon.attention.backend import AttentionMetadata, ForwardContext, create_backend
-from photon.config import EngineConfig
+from photon.config import EngineConfig, check_kv_capacity, flag
 from photon.engine.request import Request
 from photon.engine.scheduler import CommittedToken, ScheduledRow, SchedulerOutput
 from photon.model.loader import load_model
+from photon.sampling_params import MAX_LOGPROBS
 from photon.structured.backend import bitmask_width
 from photon.structured.bitmask import TokenMask, mask_numel
 from photon.structured.executor import StepJob
 from photon.structured.manager import RequestGrammar, StructuredOutputManager
 from photon.structured.rows import GrammarRows, StepFills
 from photon.worker.cuda_graph import DecodeGraphs, pad_decode_arrays
-from photon.worker.decode_inputs import RowState, build_decode_arrays, is_plain_decode
+from photon.worker.decode_inputs import build_decode_arrays, is_plain_decode
 from photon.worker.inputs import StepArrays, build_step_arrays
 from photon.worker.probe import StepMarks, StepProbe
 from photon.worker.sampler import Sampler, SamplingBatch
+from photon.worker.sampling_rows import RowState
 from photon.worker.slots import StepSlot, Streams
 
-MAX_LOGPROBS = 20
 _INT_FIELDS = ("positions", "pool_idx", "slot_mapping", "write_idx", "write_ids", "seq_lens",
                "query_start_loc", "block_tables", "logits_indices", "top_k", "keys", "counters",
                "pool_rows", "prompt_lens", "s_seq_lens", "sample_pool_idx", "ban_rows",
@@ -80,9 +83,14 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig,
-                 structured: StructuredOutputManager | None = None) -> None:
+                 structured: StructuredOutputManager | None = None,
+                 on_fault: Callable[[Request, str], None] | None = None) -> None:
         self.config = config
         self.structured = structured  # its executor fills grammar masks (steps with a grammar)
+        # Ends a request whose inputs could not be staged (see _assign_row); None: raise. Held
+        # weakly: the engine owning this runner passes its own method, and a reference cycle
+        # would keep both (and the grammar worker) alive after the engine is dropped.
+        self._on_fault = None if on_fault is None else weakref.WeakMethod(on_fault)
         self.device = torch.device(config.device)
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
@@ -131,22 +139,30 @@ class ModelRunner:
         return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
 
     def _num_blocks(self) -> int:
+        """Usable blocks + the reserved null block 0. Refuses to start when one max_model_len
+        request would not fit (every long request would fail)."""
+        usable, remedy = self._usable_blocks()
+        check_kv_capacity(usable, self.block_size, self.config.scheduler.max_model_len, remedy)
+        return usable + 1
+
+    def _usable_blocks(self) -> tuple[int, str]:
+        """The KV blocks requests can use, and what raises their number."""
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
-            return cache.num_gpu_blocks_override + 1  # + the reserved null block 0
+            return cache.num_gpu_blocks_override, f"raise {flag('num_gpu_blocks_override')}"
         if cache.kv_cache_memory_bytes is not None:
             budget = cache.kv_cache_memory_bytes
+            remedy = f"raise {flag('kv_cache_memory_bytes')}"
         elif self.device.type == "cuda":
             budget = self._cuda_kv_budget()
+            remedy = f"raise {flag('gpu_memory_utilization')} (or free GPU memory)"
         else:
             budget = CPU_DEFAULT_KV_BYTES
+            remedy = (f"set {flag('kv_cache_memory_bytes')} above the CPU default of "
+                      f"{CPU_DEFAULT_KV_BYTES >> 20} MiB")
         sched = self.config.scheduler
-        useful = sched.max_num_seqs * math.ceil(sched.max_model_len / self.block_size) + 1
-        num = min(budget // self.kv_bytes_per_block(), useful)
-        if num < 2:
-            raise ValueError(f"KV cache budget of {budget} bytes holds no block "
-                             f"({self.kv_bytes_per_block()} bytes each); raise it")
-        return int(num)
+        useful = sched.max_num_seqs * math.ceil(sched.max_model_len / self.block_size)
+        return max(0, min(budget // self.kv_bytes_per_block() - 1, useful)), remedy
 
     def _cuda_kv_budget(self) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
@@ -166,9 +182,23 @@ class ModelRunner:
             req = row.request
             if req.pool_row is None:
                 req.pool_row = self.free_pool_rows.pop()
-                self.row_state.assign(req.pool_row, req)
-                if req.grammar is not None or self._grammar_rows is not None:
-                    self.grammar_rows.assign(req.pool_row, req)
+                self._assign_row(req)
+
+    def _assign_row(self, req: Request) -> None:
+        """Stage the request's constants into its new pool row. A fault here ends that request
+        (`on_fault`: ABORT, with the error), not the engine: its row runs this step with inert
+        constants as a zombie whose token is ignored, then its blocks and pool row are freed."""
+        try:
+            self.row_state.assign(req.pool_row, req)
+            if req.grammar is not None or self._grammar_rows is not None:
+                self.grammar_rows.assign(req.pool_row, req)
+        except Exception as e:  # noqa: BLE001 - one request's values must not stop the engine
+            on_fault = self._on_fault() if self._on_fault is not None else None
+            if on_fault is None:
+                raise
+            self.row_state.assign_inert(req.pool_row, req.num_prompt_tokens)
+            on_fault(req, f"internal error: the request's inputs could not be staged "
+                          f"({type(e).__name__}: {e})")
 
     @property
     def grammar_rows(self) -> GrammarRows:
@@ -196,7 +226,7 @@ class ModelRunner:
                                          self.pool_width)
         else:
             arrays = build_step_arrays(plan.rows, self.block_size, self.pool_width,
-                                       self.row_state.pool_valid)
+                                       self.row_state.pool_valid, self.row_state)
         graph_key = None
         if self.graphs is not None and arrays.decode_only:
             graph_key = self.graphs.bucket(len(plan.rows), arrays.ints["block_tables"].shape[1])

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 KW = dict(block_size=4, max_num_batched_tokens=24, max_num_seqs=6, num_gpu_blocks_override=32,
-          device="cuda", dtype="bfloat16", max_model_len=256)
+          device="cuda", dtype="bfloat16", max_model_len=128)
 
 
 def test_pipelined_equals_blocking_cuda_bf16_graphs() -> None:

@@ -32,7 +32,8 @@ def test_grammar_pipelined_equals_blocking_cuda() -> None:
     """Blocking, pipelined with the GPU waiting for the grammar worker (default), and pipelined
     with the engine thread waiting for it: the same tokens."""
     specs = _specs()
-    kw = {**KW, "num_gpu_blocks_override": 40}  # the CPU test's cache: one 120-token request fits
+    # The CPU test's cache: one 160-token (max_model_len) request fits.
+    kw = {**KW, "num_gpu_blocks_override": 40, "max_model_len": 160}
     blocking, _ = run(LLM(pipelined=False, **kw), specs)
     llm = LLM(pipelined=True, **kw)
     assert llm.engine.runner.streams.word_wait is not None
@@ -45,7 +46,7 @@ def test_grammar_pipelined_equals_blocking_cuda() -> None:
 def test_engine_thread_never_waits_for_masks(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the grammar worker on CUDA, finalize enqueues the masks behind the worker's fence
     word and returns: every job is collected at the next commit, none inside finalize."""
-    llm = LLM(pipelined=True, **{**KW, "num_gpu_blocks_override": 40})
+    llm = LLM(pipelined=True, **{**KW, "num_gpu_blocks_override": 40, "max_model_len": 160})
     runner, manager = llm.engine.runner, llm.engine.structured
     where = {"finalize": 0, "elsewhere": 0}
     inside = {"now": False}
@@ -107,7 +108,7 @@ def test_late_worker_stalls_the_gpu_not_the_tokens(monkeypatch: pytest.MonkeyPat
     import threading
 
     specs = _specs()
-    kw = {**KW, "num_gpu_blocks_override": 40}
+    kw = {**KW, "num_gpu_blocks_override": 40, "max_model_len": 160}
     blocking, _ = run(LLM(pipelined=False, **kw), specs)
     llm = LLM(pipelined=True, **kw)
     runner = llm.engine.runner
