@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import signal
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -40,7 +44,8 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 ids.append(self.engine.add_request(prompt, p, stream=False))
-            return self._run(ids, use_tqdm)
+            with _interrupts_between_steps() as interrupted:
+                return self._run(ids, use_tqdm, interrupted)
         except BaseException:
             # A bad prompt, a failed request or an interrupt (KeyboardInterrupt): nothing this
             # call added outlives it (the next call would run it first); all or nothing. The
@@ -58,12 +63,15 @@ class LLM:
         for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
             self.engine.abort(rid)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool,
+             interrupted: threading.Event) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
         try:
             while self.engine.has_unfinished():
+                if interrupted.is_set():
+                    raise KeyboardInterrupt
                 for out in self.engine.step():
                     if out.error is not None:  # e.g. its grammar did not compile
                         raise ValueError(f"request {out.request_id}: {out.error}")
@@ -73,6 +81,29 @@ class LLM:
         finally:
             bar.close()
         return [finished[i] for i in ids]
+
+
+@contextmanager
+def _interrupts_between_steps() -> Iterator[threading.Event]:
+    """Ctrl-C during `generate` is taken between two engine steps (the event is set and the loop
+    raises KeyboardInterrupt there), so it never lands inside a step, whose in-flight bookkeeping
+    it would tear. A second Ctrl-C interrupts at once. Only the main thread receives signals:
+    elsewhere, or when a program installed its own SIGINT handler, nothing changes."""
+    interrupted = threading.Event()
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield interrupted
+        return
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        interrupted.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

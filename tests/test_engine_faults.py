@@ -3,6 +3,9 @@ and an exception out of `LLM.generate` leaves nothing of its requests behind."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from photon import LLM, SamplingParams
@@ -120,6 +123,33 @@ def test_interrupted_generate_leaves_nothing_running(monkeypatch: pytest.MonkeyP
     with pytest.raises(KeyboardInterrupt):
         llm.generate([PROMPTS["c"]] * 20, long, use_tqdm=False)
     assert not core.has_unfinished() and core.parents == {}
+    core.assert_drained()
+    monkeypatch.undo()
+    assert _tokens(llm, PROMPTS["a"]) == expected
+    core.assert_drained()
+
+
+def test_ctrl_c_inside_a_step_is_taken_between_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real SIGINT that arrives inside a step (here: in the commit's wait for the tokens)
+    interrupts `generate` only after that step: the step's bookkeeping completes, the call's
+    requests are aborted and drained, and the next call is clean."""
+    llm = LLM(max_model_len=64, max_num_seqs=4)
+    core = llm.engine
+    expected = _tokens(llm, PROMPTS["a"])
+    real_wait, waits = core.runner.wait, [0]
+
+    def wait(handle: object) -> object:
+        waits[0] += 1
+        if waits[0] == 4:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered before the next bytecode
+        return real_wait(handle)
+
+    monkeypatch.setattr(core.runner, "wait", wait)
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPTS["c"]] * 20, long, use_tqdm=False)
+    assert waits[0] >= 4
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     core.assert_drained()
     monkeypatch.undo()
     assert _tokens(llm, PROMPTS["a"]) == expected
