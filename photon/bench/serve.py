@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from photon.bench.cli import add_cost_args, check_cost_args, cost_fields, require
+from photon.bench.datasets import add_dataset_args, check_dataset_args
 from photon.bench.serve_metrics import aggregate, arrival_offsets, parse_goodput
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -69,9 +70,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-vocab-size", type=int, default=None,
                    help="Random token ids are in [0, this). Default: the vocab_size the server "
                         f"reports in GET /v1/models (photon does), else {DEFAULT_VOCAB_SIZE}.")
-    g.add_argument("--dataset", default=None, metavar="PATH",
-                   help="JSONL rows {'prompt': str | [ids], 'output_len': int}, or 'standard' "
-                        "(the offline nano-vllm workload: 100-1024 in and out).")
+    add_dataset_args(g)
     g.add_argument("--seed", type=int, default=0, help="Seed of prompts and arrivals.")
     g.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature.")
     g.add_argument("--warmup-requests", type=int, default=1,
@@ -123,6 +122,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         return _plot_only(ns)
     _check_args(ns)
     slos = parse_goodput(ns.goodput)
+    pairs = _load_pairs(ns)  # a bad --dataset-path fails before the server is asked anything
     try:
         cfg, served = asyncio.run(_client_config(ns))
     except Exception as e:  # unreachable server, bad /v1/models: a message, not a traceback
@@ -130,9 +130,8 @@ def run_serve(ns: argparse.Namespace) -> int:
              "(is the server up? --wait-server S waits for it)")
         return 1
     ns.random_vocab_size = _vocab_size(ns, served)
-    specs = _requests(ns)
-    if not cfg.chat:
-        _check_fits(specs, served)
+    specs = _requests(ns, cfg, pairs)
+    _check_fits(specs, served, ns.dataset_name)
     if not asyncio.run(_warmup(cfg, specs, ns.warmup_requests)):
         return 1
     loads = _loads(ns)
@@ -156,6 +155,7 @@ def _check_args(ns: argparse.Namespace) -> None:
         raise ValueError(f"--burstiness must be positive, got {ns.burstiness}")
     if ns.random_vocab_size is not None and ns.random_vocab_size < 1:
         raise ValueError(f"--random-vocab-size must be positive, got {ns.random_vocab_size}")
+    check_dataset_args(ns)
     check_cost_args(ns)
     require("aiohttp", "photon bench serve")
     if (ns.sweep or ns.sweep_concurrency) and ns.output_dir:
@@ -191,7 +191,21 @@ def _vocab_size(ns: argparse.Namespace, served: Any) -> int:
     return DEFAULT_VOCAB_SIZE
 
 
-def _check_fits(specs: list[Any], served: Any) -> None:
+def _load_pairs(ns: argparse.Namespace) -> list[Any] | None:
+    from photon.bench.datasets import load_sharegpt
+
+    if ns.dataset_name != "sharegpt":
+        return None
+    pairs = load_sharegpt(ns.dataset_path, ns.seed)
+    _log(f"{ns.dataset_path}: {len(pairs)} ShareGPT conversations")
+    return pairs
+
+
+_FIT_HINTS = {"random": "lower --random-input-len / --random-output-len",
+              "sharegpt": "lower --sharegpt-output-len or serve a longer --max-model-len"}
+
+
+def _check_fits(specs: list[Any], served: Any, dataset: str) -> None:
     """Every request with a known prompt length fits the server's max_model_len (else each
     would fail with 400 after the warm-up)."""
     limit = served.max_model_len if served is not None else None
@@ -204,20 +218,16 @@ def _check_fits(specs: list[Any], served: Any) -> None:
         raise ValueError(
             f"{len(too_long)} of {len(specs)} requests do not fit the server's max_model_len of "
             f"{limit} tokens (the longest: {worst.prompt_len} prompt + {worst.output_len} output "
-            "tokens); lower --random-input-len / --random-output-len")
+            f"tokens); {_FIT_HINTS.get(dataset, 'serve a longer --max-model-len')}")
 
 
-def _requests(ns: argparse.Namespace) -> list[Any]:
-    from photon.bench import serve_workload as sw
+def _requests(ns: argparse.Namespace, cfg: Any, pairs: list[Any] | None) -> list[Any]:
+    from photon.bench.datasets import DatasetOptions, build_requests
 
-    if ns.dataset == sw.STANDARD_DATASET:
-        specs = sw.standard_requests(ns.num_prompts, ns.random_vocab_size, ns.seed)
-    elif ns.dataset:
-        specs = sw.load_dataset(ns.dataset, ns.num_prompts)
-    else:
-        specs = sw.random_requests(ns.num_prompts or 200, ns.random_input_len,
-                                   ns.random_output_len, ns.random_range_ratio,
-                                   ns.random_vocab_size, ns.seed)
+    opts = DatasetOptions(ns.dataset_name, ns.dataset_path, ns.num_prompts, ns.random_input_len,
+                          ns.random_output_len, ns.random_range_ratio, ns.random_vocab_size,
+                          ns.seed, ns.sharegpt_output_len, ns.tokenizer)
+    specs = asyncio.run(build_requests(opts, cfg, pairs, _log))
     known = [s.prompt_len for s in specs if s.prompt_len is not None]
     _log(f"{len(specs)} requests: {sum(known)} prompt tokens (known), "
          f"{sum(s.output_len for s in specs)} output tokens")
@@ -289,7 +299,8 @@ def _params(ns: argparse.Namespace, cfg: Any, rate: float, conc: int | None,
         "label": ns.label or cfg.model, "model": cfg.model, "base_url": cfg.base_url,
         "endpoint": cfg.endpoint, "request_rate": _json_rate(rate), "burstiness": ns.burstiness,
         "max_concurrency": conc, "num_prompts": num, "seed": ns.seed, "sweep": sweep,
-        "dataset": ns.dataset, "random_input_len": ns.random_input_len,
+        "dataset": ns.dataset, "dataset_name": ns.dataset_name, "dataset_path": ns.dataset_path,
+        "sharegpt_output_len": ns.sharegpt_output_len, "random_input_len": ns.random_input_len,
         "random_output_len": ns.random_output_len, "random_range_ratio": ns.random_range_ratio,
         "random_vocab_size": ns.random_vocab_size, "temperature": ns.temperature,
         "goodput_slos_ms": slos or None,
@@ -304,6 +315,8 @@ def _print_human(s: dict[str, Any]) -> None:
     rows = [("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
             ("Benchmark duration (s)", s["duration_s"]),
             ("Total input tokens", s["total_input_tokens"]),
+            ("Mean / median input tokens", f"{_fmt(s['mean_input_tokens'])} / "
+                                           f"{_fmt(s['median_input_tokens'])}"),
             ("Total generated tokens", s["total_output_tokens"]),
             ("Request throughput (req/s)", s["request_throughput"]),
             ("Output token throughput (tok/s)", s["output_throughput"]),

@@ -114,7 +114,8 @@ def aggregate(records: Sequence[RequestRecord], duration: float,
               slos: dict[str, float] | None = None) -> dict[str, Any]:
     """The run's metrics from its records and wall time (seconds)."""
     ok = [r for r in records if r.success]
-    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    inputs = [r.prompt_tokens for r in ok]
+    prompt_tokens = sum(inputs)
     output_tokens = sum(r.output_tokens for r in ok)
     per_s = 1.0 / duration if duration > 0 else math.nan
     out: dict[str, Any] = {
@@ -124,6 +125,9 @@ def aggregate(records: Sequence[RequestRecord], duration: float,
         "total_token_throughput": (prompt_tokens + output_tokens) * per_s,
         "request_goodput": count_good(records, slos) * per_s if slos else None,
         "good_requests": count_good(records, slos) if slos else None,
+        # The prompt lengths the server counted (its usage), e.g. after a chat template.
+        "mean_input_tokens": float(np.mean(inputs)) if ok else None,
+        "median_input_tokens": float(np.median(inputs)) if ok else None,
         "output_len_mismatches": sum(r.output_tokens != r.output_len for r in ok),
         "peak_concurrency": peak_concurrency(records),
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,8 @@ def _spec_from_row(row: dict[str, Any], where: str) -> RequestSpec:
 
 def load_dataset(path: str, num: int | None) -> list[RequestSpec]:
     """Rows of a JSONL file; `num` of them (cycling), or all when `num` is None."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--dataset: no such file: {path}")
     specs = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
