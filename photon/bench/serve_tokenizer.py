@@ -1,9 +1,10 @@
 """Token counts for `photon bench serve`: the server's /tokenize, or a local tokenizer.
 
 Chat prompts of an exact length: a token-id prompt of N ids becomes a user message whose
-templated prompt (what the server's `usage.prompt_tokens` counts) is exactly N tokens. The ids
-are decoded to text, then the text is re-encoded and trimmed or padded, token by token, until
-the chat template around it gives N; a few rounds settle the token merges at the edges.
+templated prompt (what the server's `usage.prompt_tokens` counts) is exactly N tokens. The ids'
+text is encoded once more into canonical tokens; a prefix of those is decoded into the message,
+whose templated length is measured, and tokens are cut from its end or appended from the rest
+until the count is N (a few rounds settle merges at the edges and characters split mid-way).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Random: input and output lengths uniform (integers) in [len * (1 - r), len * (1 
 uniform in [0, vocab_size). Dataset: JSONL rows `{"prompt": str | [ids], "output_len": int}`
 (optional `"prompt_len"`), cycled when there are fewer rows than requests. `standard`: the offline
 "nano-vllm bench" workload of photon/bench/workload.py, ids folded into the vocabulary.
-The chat endpoint needs text: token-id prompts become one common word per id (about a token
-each; the server's usage reports the exact prompt length).
+The chat endpoint needs text: token-id prompts are sized to their length after the chat template
+(photon/bench/serve_tokenizer.py); with no tokenizer to do that (a server without /tokenize), they
+become one common word per id (the server's usage then reports the real prompt length).
 """
 
 from __future__ import annotations
