@@ -163,6 +163,16 @@ def test_bad_dataset_flags(argv: list[str], says: str,
     assert says in _error(capsys, *argv, "--model", "m", "--random-vocab-size", "100")
 
 
+def test_chat_prompts_shorter_than_the_template_are_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from photon.model.tiny import ensure_photon_tiny
+
+    line = _error(capsys, "--endpoint", CHAT, "--random-input-len", "6", "--tokenizer",
+                  ensure_photon_tiny(), "--model", "m", "--random-vocab-size", "100")
+    assert line.endswith("chat prompts of 6 tokens are too short: the chat template alone is 9 "
+                         "tokens; ask for more (--random-input-len)")
+
+
 def test_unknown_dataset_name_lists_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:  # argparse's own error
         main(["bench", "serve", "--dataset-name", "sonnet"])

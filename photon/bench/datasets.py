@@ -219,6 +219,8 @@ async def _chat_requests(tok: TextTokenizer, specs: list[RequestSpec],
     one common word per id (the server's usage then reports the real length)."""
     from photon.bench.serve_tokenizer import size_chat_prompts
 
+    if not any(isinstance(s.prompt, list) for s in specs):  # texts: the server counts them
+        return [replace(s, prompt_len=None) for s in specs]
     try:
         sized = await size_chat_prompts(tok, specs)
     except ValueError:

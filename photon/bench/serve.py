@@ -64,7 +64,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--num-prompts", type=int, default=None,
-                   help="Requests per run (default 200; a --dataset's rows; 256 for standard).")
+                   help="Requests per run (default 200; 256 for standard; a --dataset "
+                        "JSONL's rows).")
     g.add_argument("--random-input-len", type=int, default=1024,
                    help="Prompt tokens of a random request.")
     g.add_argument("--random-output-len", type=int, default=128,
