@@ -31,6 +31,9 @@ class ChatHandler:
         self.serving = serving
         name = serving.config.tool_call_parser
         self.tool_parser = get_tool_parser(name) if name else None
+        tok = serving.core.tokenizer
+        self.eos_texts = tuple(tok.decode([i], skip_special_tokens=False)
+                               for i in sorted(tok.eos_token_ids))
 
     async def __call__(self, req: ChatCompletionRequest, raw: Request) -> Response:
         s = self.serving
@@ -40,7 +43,8 @@ class ChatHandler:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
-        tools = plan_tools(req, self.tool_parser, s.config.enable_auto_tool_choice)
+        tools = plan_tools(req, self.tool_parser, s.config.enable_auto_tool_choice,
+                           self.eos_texts)
         if tools is not None and tools.keep_special_tokens:
             req.skip_special_tokens = False  # the parser's call marker is a special token
         params = s.sampling_params(req, max_tokens, logprobs)
@@ -122,7 +126,7 @@ class _ChatCtx:
         """A choice's delta message for its new text, and the chunk's finish_reason."""
         if stream is None:
             return ({"content": text} if text else {}), finish
-        news = stream.feed(text, final=finish is not None)
+        news = stream.feed(self.tools.output_text(text, finish), final=finish is not None)
         delta: dict[str, Any] = {"content": news.content} if news.content else {}
         if news.tool_calls:
             delta["tool_calls"] = news.tool_calls

@@ -39,10 +39,20 @@ class ToolPlan:
     parser: ToolParser | None = None  # reads the output; None: plain content
     structured: StructuredOutputsParams | None = None  # the constraint of a forced choice
     max_calls: int | None = None  # 1 with parallel_tool_calls=false
+    eos_texts: tuple[str, ...] = ()  # the end-of-sequence tokens' text
 
     @property
     def keep_special_tokens(self) -> bool:
         return self.parser is not None and self.parser.keep_special_tokens
+
+    def output_text(self, text: str, finish: str | None) -> str:
+        """The text the parser reads: while special tokens are kept (for the parser's marker),
+        a final end-of-sequence token's text is not part of the answer."""
+        if finish is not None and self.keep_special_tokens:
+            for eos in self.eos_texts:
+                if eos and text.endswith(eos):
+                    return text[:-len(eos)]
+        return text
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
         """vLLM's: "tool_calls" when auto made calls, or required finished normally."""
@@ -54,7 +64,7 @@ class ToolPlan:
         """The response message for a finished choice's text, and its finish_reason."""
         if self.parser is None:
             return {"role": "assistant", "content": text}, reason
-        found = self.parser.extract(text, self.max_calls)
+        found = self.parser.extract(self.output_text(text, reason), self.max_calls)
         message: dict[str, Any] = {"role": "assistant", "content": found.content}
         if found.tool_calls:
             message["tool_calls"] = [c.to_dict() for c in found.tool_calls]
@@ -64,8 +74,8 @@ class ToolPlan:
         return None if self.parser is None else ToolCallStream(self.parser, self.max_calls)
 
 
-def plan_tools(req: ChatCompletionRequest, auto_parser: ToolParser | None,
-               enable_auto: bool) -> ToolPlan | None:
+def plan_tools(req: ChatCompletionRequest, auto_parser: ToolParser | None, enable_auto: bool,
+               eos_texts: tuple[str, ...] = ()) -> ToolPlan | None:
     """The request's tool calling; None without tools. Raises 400s for invalid combinations."""
     tools = req.tools or None
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
@@ -81,7 +91,7 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: ToolParser | None,
     if choice == "auto":
         if not enable_auto or auto_parser is None:
             raise bad_request(AUTO_NEEDS_FLAGS, "tool_choice")
-        return ToolPlan("auto", rendered, auto_parser, max_calls=max_calls)
+        return ToolPlan("auto", rendered, auto_parser, max_calls=max_calls, eos_texts=eos_texts)
     _check_no_structured(req)
     if isinstance(choice, NamedToolChoice):
         schema = _named_schema(tools, choice.function.name)
