@@ -45,23 +45,19 @@ class ChatHandler:
             else req.max_tokens
         tools = plan_tools(req, self.tool_parser, s.config.enable_auto_tool_choice,
                            self.eos_texts)
-        if tools is not None and tools.keep_special_tokens:
+        if tools.keep_special_tokens:
             req.skip_special_tokens = False  # the parser's call marker is a special token
         params = s.sampling_params(req, max_tokens, logprobs)
-        if tools is not None and tools.structured is not None:
+        if tools.structured is not None:
             params.structured_outputs = tools.structured
             await precompile(s.core, tools.structured, "tools")
         s.check_num_prompts(1, params.n)
-        text = await s.chat_prompt(req.messages, req.add_generation_prompt,
-                                   tools.template_tools if tools is not None else None)
+        text = await s.chat_prompt(req.messages, req.add_generation_prompt, tools.template_tools)
         ids = await s.encode(text, "messages", add_special_tokens=False)
         s.check_prompt(ids, params, "messages")
         run = await s.start([ids], params, "chatcmpl")
-        ctx = _ChatCtx(req, run.id, s, len(ids), tools or _NO_TOOLS)
+        ctx = _ChatCtx(req, run.id, s, len(ids), tools)
         return await s.respond(raw, run, req.stream, ctx.events, ctx.collect)
-
-
-_NO_TOOLS = ToolPlan("none", [])
 
 
 class _ChatCtx:

@@ -35,7 +35,7 @@ AUTO_NEEDS_FLAGS = ('"auto" tool choice requires --enable-auto-tool-choice and '
 @dataclass(frozen=True)
 class ToolPlan:
     mode: str  # "none" | "auto" | "required" | "named"
-    template_tools: list[dict[str, Any]]  # what the chat template gets as `tools`
+    template_tools: list[dict[str, Any]] | None = None  # the chat template's `tools`
     parser: ToolParser | None = None  # reads the output; None: plain content
     structured: StructuredOutputsParams | None = None  # the constraint of a forced choice
     max_calls: int | None = None  # 1 with parallel_tool_calls=false
@@ -75,15 +75,15 @@ class ToolPlan:
 
 
 def plan_tools(req: ChatCompletionRequest, auto_parser: ToolParser | None, enable_auto: bool,
-               eos_texts: tuple[str, ...] = ()) -> ToolPlan | None:
-    """The request's tool calling; None without tools. Raises 400s for invalid combinations."""
+               eos_texts: tuple[str, ...] = ()) -> ToolPlan:
+    """The request's tool calling (mode "none" without tools); 400s for invalid combinations."""
     tools = req.tools or None
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     if tools is None:
         if choice != "none":
             raise bad_request("tool_choice needs tools: give the functions in `tools`",
                               "tool_choice")
-        return None
+        return ToolPlan("none")
     rendered = [t.model_dump(exclude_none=True) for t in tools]
     max_calls = None if req.parallel_tool_calls else 1
     if choice == "none":
