@@ -42,21 +42,30 @@ def make_app(engine_args: dict[str, Any] | None = None, **server: Any) -> FastAP
 @contextmanager
 def live_server(engine_args: dict[str, Any] | None = None, **server: Any) -> Iterator[LiveServer]:
     app = make_app(engine_args, **server)
+    try:
+        with serve_app(app) as live:
+            yield live
+    finally:
+        app.state.engine.shutdown()
+
+
+@contextmanager
+def serve_app(app: FastAPI) -> Iterator[LiveServer]:
+    """Run `app` with uvicorn on a loopback port; the caller owns (and shuts down) its engine."""
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                             timeout_graceful_shutdown=2)
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
-    wait_until(lambda: srv.started or not thread.is_alive(), "uvicorn starts")
-    if not srv.started:
-        raise RuntimeError("uvicorn did not start")
-    port = srv.servers[0].sockets[0].getsockname()[1]
     try:
+        wait_until(lambda: srv.started or not thread.is_alive(), "uvicorn starts")
+        if not srv.started:
+            raise RuntimeError("uvicorn did not start")
+        port = srv.servers[0].sockets[0].getsockname()[1]
         yield LiveServer(app, f"http://127.0.0.1:{port}", app.state.engine)
     finally:
         srv.should_exit = True
         thread.join(10)
-        app.state.engine.shutdown()
 
 
 def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:

@@ -21,11 +21,19 @@ from photon.server.openai_serving import (
     usage,
 )
 from photon.server.protocol import ChatCompletionRequest, sse_event
+from photon.server.structured import precompile
+from photon.server.tool_parsers import ToolCallStream, get_tool_parser
+from photon.server.tools import ToolPlan, plan_tools
 
 
 class ChatHandler:
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
+        name = serving.config.tool_call_parser
+        self.tool_parser = get_tool_parser(name) if name else None
+        tok = serving.core.tokenizer
+        self.eos_texts = tuple(tok.decode([i], skip_special_tokens=False)
+                               for i in sorted(tok.eos_token_ids))
 
     async def __call__(self, req: ChatCompletionRequest, raw: Request) -> Response:
         s = self.serving
@@ -35,20 +43,28 @@ class ChatHandler:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
+        tools = plan_tools(req, self.tool_parser, s.config.enable_auto_tool_choice,
+                           self.eos_texts)
+        if tools.keep_special_tokens:
+            req.skip_special_tokens = False  # the parser's call marker is a special token
         params = s.sampling_params(req, max_tokens, logprobs)
+        if tools.structured is not None:
+            params.structured_outputs = tools.structured
+            await precompile(s.core, tools.structured, "tools")
         s.check_num_prompts(1, params.n)
-        text = await s.chat_prompt(req.messages, req.add_generation_prompt)
+        text = await s.chat_prompt(req.messages, req.add_generation_prompt, tools.template_tools)
         ids = await s.encode(text, "messages", add_special_tokens=False)
         s.check_prompt(ids, params, "messages")
         run = await s.start([ids], params, "chatcmpl")
-        ctx = _ChatCtx(req, run.id, s, len(ids))
+        ctx = _ChatCtx(req, run.id, s, len(ids), tools)
         return await s.respond(raw, run, req.stream, ctx.events, ctx.collect)
 
 
 class _ChatCtx:
     def __init__(self, req: ChatCompletionRequest, rid: str, serving: Serving,
-                 num_prompt_tokens: int) -> None:
+                 num_prompt_tokens: int, tools: ToolPlan) -> None:
         self.req = req
+        self.tools = tools
         self.id = rid
         self.serving = serving
         self.created = int(time.time())
@@ -88,9 +104,10 @@ class _ChatCtx:
         choices = []
         for idx in range(self.req.n):
             st = states.get(idx, ChoiceState())
-            choices.append({"index": idx, "message": {"role": "assistant", "content": st.text},
+            message, finish = self.tools.reply(st.text, st.finish_reason)
+            choices.append({"index": idx, "message": message,
                             "logprobs": self._logprobs(st.token_ids or [], st.logprobs),
-                            "finish_reason": st.finish_reason, "stop_reason": st.stop_reason})
+                            "finish_reason": finish, "stop_reason": st.stop_reason})
         completion = sum(st.num_tokens for st in states.values())
         return self._body("chat.completion", choices, usage(self.num_prompt_tokens, completion))
 
@@ -100,17 +117,29 @@ class _ChatCtx:
                   "stop_reason": stop_reason}
         return sse_event(self._body("chat.completion.chunk", [choice], None))
 
+    def _delta(self, stream: ToolCallStream | None, text: str, finish: str | None
+               ) -> tuple[dict[str, Any], str | None]:
+        """A choice's delta message for its new text, and the chunk's finish_reason."""
+        if stream is None:
+            return ({"content": text} if text else {}), finish
+        news = stream.feed(self.tools.output_text(text, finish), final=finish is not None)
+        delta: dict[str, Any] = {"content": news.content} if news.content else {}
+        if news.tool_calls:
+            delta["tool_calls"] = news.tool_calls
+        return delta, self.tools.finish_reason(finish, stream.called)
+
     async def events(self, run: Run) -> AsyncIterator[str]:
         completion = 0
+        streams = [self.tools.stream() for _ in range(self.req.n)]
         try:
             for idx in range(self.req.n):
                 yield self._chunk(idx, {"role": "assistant", "content": ""})
             async for tag, out in run.outputs():
                 for idx, c in choice_updates(tag, out, self.req.n):
                     completion += len(c.token_ids)
-                    delta = {"content": c.text} if c.text else {}
+                    delta, finish = self._delta(streams[idx], c.text, c.finish_reason)
                     yield self._chunk(idx, delta, self._logprobs(c.token_ids, c.logprobs),
-                                      c.finish_reason, c.stop_reason)
+                                      finish, c.stop_reason)
             opts = self.req.stream_options
             if opts is not None and opts.include_usage:
                 body = self._body("chat.completion.chunk", [],

@@ -32,8 +32,31 @@ def add_serve(sub: Any) -> None:
     p.add_argument("--allowed-origins", nargs="*", default=None,
                    help="Enable CORS for these origins (default: CORS off).")
     p.add_argument("--log-level", default="info", help="uvicorn log level.")
+    _add_tool_args(p)
     add_engine_args(p)
     p.set_defaults(func=run_serve)
+
+
+def _add_tool_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='Allow tool_choice "auto" (the default when a request gives tools): the '
+                        "model decides whether to call tools; needs --tool-call-parser.")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="How to read tool calls out of the model's text: hermes (Hermes, "
+                        "Qwen2.5, Qwen3), llama3_json (Llama 3.x JSON calls) or mistral.")
+
+
+def _check_tool_args(ns: argparse.Namespace) -> None:
+    from photon.server.tool_parsers import get_tool_parser, tool_parser_names
+
+    if ns.tool_call_parser is not None:
+        try:
+            get_tool_parser(ns.tool_call_parser)
+        except ValueError as e:
+            raise ValueError(f"--tool-call-parser: {e}") from None
+    elif ns.enable_auto_tool_choice:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of: "
+                         f"{', '.join(tool_parser_names())})")
 
 
 def server_config(ns: argparse.Namespace, served_model_name: str, max_model_len: int) -> Any:
@@ -42,12 +65,15 @@ def server_config(ns: argparse.Namespace, served_model_name: str, max_model_len:
     for name in ("max_queued_requests", "max_prompts_per_request", "max_request_body_bytes"):
         if getattr(ns, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    _check_tool_args(ns)
     return ServerConfig(served_model_name=served_model_name, max_model_len=max_model_len,
                         api_key=ns.api_key or os.environ.get("PHOTON_API_KEY") or None,
                         max_queued_requests=ns.max_queued_requests,
                         max_prompts_per_request=ns.max_prompts_per_request,
                         max_request_body_bytes=ns.max_request_body_bytes,
-                        allowed_origins=tuple(ns.allowed_origins or ()))
+                        allowed_origins=tuple(ns.allowed_origins or ()),
+                        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+                        tool_call_parser=ns.tool_call_parser)
 
 
 def run_serve(ns: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from photon.server.errors import APIError, bad_request, invalid_value
 from photon.server.protocol import ChatMessage, _SamplingFields
 from photon.server.structured import precompile, structured_params
 from photon.server.tokenization import PromptTokenizer
+from photon.server.tools import template_messages
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON
 
@@ -38,6 +39,8 @@ class ServerConfig:
     max_prompts_per_request: int = 256
     max_request_body_bytes: int = 16 * 1024 * 1024
     allowed_origins: tuple[str, ...] = ()
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
+    tool_call_parser: str | None = None  # a name in photon.server.tool_parsers
 
 
 class Run:
@@ -153,16 +156,18 @@ class Serving:
         except ValueError as e:
             raise bad_request(str(e), "max_tokens") from None
 
-    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          tools: list[dict[str, Any]] | None = None) -> str:
         """The chat template's text, rendered in a worker thread (it may be long)."""
-        return await asyncio.to_thread(self._render_chat, messages, add_generation_prompt)
+        return await asyncio.to_thread(self._render_chat, messages, add_generation_prompt, tools)
 
-    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-        msgs = [{**m.model_dump(exclude_none=True, exclude={"content"}),
-                 "content": _message_text(m)} for m in messages]
+    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None) -> str:
+        msgs = template_messages([{**m.model_dump(exclude_none=True, exclude={"content"}),
+                                   "content": _message_text(m)} for m in messages])
         try:
             return self.core.tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt)
+                msgs, add_generation_prompt=add_generation_prompt, tools=tools)
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault

@@ -107,10 +107,53 @@ class ContentPart(_Request):
     text: Text | None = None
 
 
+class FunctionDefinition(_Request):
+    name: Text = Field(min_length=1)
+    description: Text | None = None
+    parameters: JsonObject | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    """An entry of `tools`: a function the model may call."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: Text
+
+
+class NamedToolChoice(_Request):
+    """`tool_choice` naming one function: the model must call it."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(_Request):
+    name: Text
+    arguments: Text  # JSON text of the arguments object
+
+
+class MessageToolCall(_Request):
+    """A call in an assistant message's `tool_calls` (what an earlier response returned)."""
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Role
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: Text | None = None  # "tool" messages: the call this is the result of
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -120,12 +163,16 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True  # False: at most one call
 
 
 class TokenizeRequest(_Request):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -191,9 +238,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str
     content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
