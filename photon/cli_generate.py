@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from photon.cli import SAMPLING_FLAGS, add_engine_args, engine_args_from
+from photon.outputs import Logprob
 
 # JSON has no -Infinity: a token the model gives probability 0 is reported with this logprob.
 MIN_LOGPROB = -9999.0
@@ -99,6 +100,7 @@ class TokenLogprob:
     token_id: int
     token: str
     logprob: float
+    rank: int | None  # 1-based rank in the model's distribution
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -108,17 +110,19 @@ def _clamp(value: float) -> float:
     return value if math.isfinite(value) else (MIN_LOGPROB if value < 0 else 0.0)
 
 
-def token_logprobs(token_ids: list[int], entries: list[dict[int, float]], k: int,
+def token_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: int,
                    tokenizer: Any) -> list[tuple[TokenLogprob, list[TokenLogprob]]]:
     """Per generated token: (the sampled token, its k most likely alternatives, best first)."""
-    def item(tid: int, value: float) -> TokenLogprob:
-        return TokenLogprob(tid, tokenizer.decode([tid], skip_special_tokens=False),
-                            _clamp(value))
+    def item(tid: int, lp: Logprob) -> TokenLogprob:
+        text = lp.decoded_token
+        if text is None:
+            text = tokenizer.decode([tid], skip_special_tokens=False)
+        return TokenLogprob(tid, text, _clamp(lp.logprob), lp.rank)
 
     rows = []
     for tid, entry in zip(token_ids, entries):
-        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
-        rows.append((item(tid, entry.get(tid, -math.inf)), [item(t, v) for t, v in top]))
+        top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
+        rows.append((item(tid, entry.get(tid, Logprob(-math.inf))), [item(t, v) for t, v in top]))
     return rows
 
 

@@ -6,12 +6,28 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """A token's log probability; `rank` is 1-based (1 = the most likely token) and
+    `decoded_token` its text (None when the request does not detokenize)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per token: the token itself and the top ones asked for, by token id.
+SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token; the first is None (nothing precedes it).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
 
@@ -35,4 +51,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache
     error: str | None = None  # set when the request failed (its outputs end with "abort")

@@ -18,6 +18,9 @@ MAX_TEMPERATURE = 100.0  # logits / 100 is already close to uniform for any mode
 # overflow float32 (1e-45 makes them infinite) or vanish, and sampling stops meaning anything.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_LOGPROBS = 20
+# OpenAI's logit_bias range; +100 makes a token all but certain, -100 all but impossible.
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS_ENTRIES = 1024  # one row's (token, bias) pairs staged per step
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts; the key uses its 64 bits
 
 
@@ -53,6 +56,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # logprobs of the prompt tokens (and this many top ones)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, EBNF
@@ -66,6 +71,7 @@ class SamplingParams:
             self.top_k = 0
         self._validate_ints()
         self._validate_floats()
+        self._validate_logit_bias()
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
         _check(self.structured_outputs is None
@@ -89,6 +95,10 @@ class SamplingParams:
         _check(self.logprobs is None or (_is_int(self.logprobs)
                                          and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None
+               or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or "
+               f"None, got {self.prompt_logprobs!r}")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
@@ -110,6 +120,22 @@ class SamplingParams:
                f"tokens' logits are divided or multiplied by it, so values further from 1 "
                f"overflow or erase them), got {self.repetition_penalty!r}")
 
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        _check(isinstance(bias, dict), "logit_bias",
+               f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+        _check(len(bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias",
+               f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed")
+        low, high = LOGIT_BIAS_RANGE
+        for token, value in bias.items():
+            _check(_is_int(token) and token >= 0, "logit_bias",
+                   f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            _check(_in_range(value, low, high), "logit_bias",
+                   f"logit_bias values must be numbers in [{low:g}, {high:g}], got {value!r} "
+                   f"for token {token}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
@@ -130,3 +156,6 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         _check(not bad, "stop_token_ids",
                f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        bad = sorted(t for t in (self.logit_bias or {}) if t >= vocab_size)
+        _check(not bad, "logit_bias",
+               f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")

@@ -104,3 +104,12 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
             ids.append(int(logits.argmax()))
         outs.append(ids[len(prompt):])
     return outs
+
+
+@torch.no_grad()
+def hf_log_softmax(path: str, ids: list[int]) -> torch.Tensor:
+    """[len(ids), V] float32 log-softmax of HF's logits at every position of `ids`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)

@@ -32,6 +32,13 @@ class LiveServer:
         return self.base_url + "/v1"
 
 
+def openai_client(server: LiveServer, api_key: str = "none") -> Any:
+    """The official openai client on `server` (no retries: a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.api_url, api_key=api_key, max_retries=0, timeout=60)
+
+
 def make_app(engine_args: dict[str, Any] | None = None, **server: Any) -> FastAPI:
     config = EngineArgs(**{**TINY_ARGS, **(engine_args or {})}).create_config()
     scfg = ServerConfig(served_model_name=config.model.served_model_name,

@@ -11,6 +11,7 @@ import pytest
 
 from photon import LLM, SamplingParams
 from photon.cli import main
+from photon.outputs import Logprob
 
 PROMPT = "Hello"
 ENGINE_FLAGS = ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
@@ -128,7 +129,7 @@ def test_console_script_subprocess(expected: tuple[str, list[int]]) -> None:
 
 
 @pytest.fixture(scope="module")
-def expected_logprobs() -> tuple[list[int], list[dict[int, float]], float]:
+def expected_logprobs() -> tuple[list[int], list[dict[int, Logprob]], float]:
     """Greedy reference with 3 top logprobs per token from the Python API."""
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=3)
     (completion,) = LLM(max_model_len=64).generate(PROMPT, params, use_tqdm=False)[0].outputs
@@ -145,11 +146,12 @@ def test_generate_json_prints_logprobs(capsys: pytest.CaptureFixture[str],
     rows = completion["logprobs"]
     assert [r["token_id"] for r in rows] == token_ids
     for row, entry in zip(rows, entries):
-        assert row["logprob"] == pytest.approx(entry[row["token_id"]])
+        assert row["logprob"] == pytest.approx(entry[row["token_id"]].logprob)
+        assert row["rank"] == entry[row["token_id"]].rank == 1  # greedy
         top = row["top_logprobs"]
-        best = sorted(entry.items(), key=lambda kv: -kv[1])[:3]
-        assert [(t["token_id"], t["logprob"]) for t in top] == [
-            (tid, pytest.approx(lp)) for tid, lp in best]
+        best = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:3]
+        assert [(t["token_id"], t["logprob"], t["rank"]) for t in top] == [
+            (tid, pytest.approx(lp.logprob), i) for i, (tid, lp) in enumerate(best, start=1)]
         assert top[0]["token_id"] == row["token_id"]  # greedy: the sampled token is the best
         assert all(isinstance(t["token"], str) for t in top)
     assert sum(r["logprob"] for r in rows) == pytest.approx(cumulative, abs=1e-4)
@@ -173,9 +175,9 @@ def test_generate_text_prints_logprobs(capsys: pytest.CaptureFixture[str],
         fields = row.split()
         assert fields[0] == str(i)
         assert repr(tok.decode([tid], skip_special_tokens=False)) in row
-        assert f"{entry[tid]:.4f}" in row
-        best = sorted(entry.items(), key=lambda kv: -kv[1])[:2]
-        assert row.endswith(f"{best[-1][1]:.4f}")
+        assert f"{entry[tid].logprob:.4f}" in row
+        best = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:2]
+        assert row.endswith(f"{best[-1][1].logprob:.4f}")
 
 
 # ---------------------------------------------------------------- --chat

@@ -33,7 +33,8 @@ def test_decode_fast_path_equals_general_path(monkeypatch: pytest.MonkeyPatch) -
     llm = LLM(block_size=4, max_num_seqs=8, max_model_len=128)
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
               SamplingParams(temperature=0.9, top_k=5, top_p=0.8, seed=1, max_tokens=15,
-                             min_tokens=6, stop_token_ids=[7], logprobs=2),
+                             min_tokens=6, stop_token_ids=[7], logprobs=2,
+                             logit_bias={9: 3.0, 11: -2.5}),
               SamplingParams(temperature=1.0, min_p=0.1, presence_penalty=0.5, seed=2,
                              max_tokens=12, ignore_eos=True, n=2)]
     prompts = [[5], list(range(3, 40)), "Hello there"]

@@ -102,11 +102,12 @@ def test_logprobs_are_normalized_and_greedy_is_argmax(llm: LLM) -> None:
                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == 6
     for tok, entry in zip(out.token_ids, out.logprobs):
+        values = [lp.logprob for lp in entry.values()]
         assert tok in entry and len(entry) >= 3
-        assert entry[tok] == pytest.approx(max(entry.values()))
-        assert all(lp <= 0 for lp in entry.values())
-        assert math.fsum(math.exp(v) for v in entry.values()) <= 1.0 + 1e-4
-    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in
+        assert entry[tok].logprob == pytest.approx(max(values)) and entry[tok].rank == 1
+        assert all(lp <= 0 for lp in values)
+        assert math.fsum(math.exp(v) for v in values) <= 1.0 + 1e-4
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in
                                                        zip(out.token_ids, out.logprobs)))
 
 

@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_util import LiveServer, live_server
+from tests.server_util import LiveServer, live_server, openai_client
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 10},
@@ -26,7 +26,7 @@ def server() -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.api_url, api_key="none", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 def test_chat_response_format_json_schema(client: openai.OpenAI) -> None:

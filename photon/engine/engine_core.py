@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from photon.config import EngineConfig
 from photon.engine.detokenizer import IncrementalDetokenizer
 from photon.engine.kv_cache import KVCacheManager
+from photon.engine.logprobs import TokenTexts
 from photon.engine.pipeline import Pipeline
 from photon.engine.request import Request
 from photon.engine.scheduler import Scheduler
-from photon.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from photon.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from photon.sampling_params import SamplingParams
 from photon.structured.manager import StructuredOutputManager
 from photon.structured.params import GrammarLimits
@@ -55,6 +56,7 @@ class EngineStats:
 class _DeltaState:
     sent_tokens: list[int]  # per child: output tokens already reported
     finish_sent: list[bool]
+    prompt_logprobs_sent: bool = False  # delivered once, in the first output after they are done
 
 
 def _freeze_startup_heap() -> None:
@@ -81,7 +83,8 @@ class EngineCore:
         self.runner = ModelRunner(config, structured=self.structured, on_fault=self._fail_request)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.release)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.release,
+                                   TokenTexts(self.tokenizer))
         self.pipeline = Pipeline(self.scheduler, self.runner, config.pipeline_depth)
         self._rng = random.Random(config.model.seed)
         self._ids = itertools.count()
@@ -149,6 +152,8 @@ class EngineCore:
                           row, prompt=text, parent_id=request_id, index=i)
             if params.detokenize or params.stop:
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
+            if params.prompt_logprobs is not None and i == 0:  # the children share the prompt
+                req.prompt_logprobs = [None]
             if params.structured_outputs is not None:  # compiles once per spec (cached)
                 req.grammar = self.structured.request_grammar(params.structured_outputs)
             children.append(req)
@@ -223,7 +228,20 @@ class EngineCore:
         prompt_ids = first.prompt_token_ids if state is not None else list(first.prompt_token_ids)
         return RequestOutput(parent_id, first.prompt, prompt_ids, outs,
                              finished=all(r.finalized for r in children), metrics=metrics,
-                             error=error)
+                             prompt_logprobs=self._prompt_logprobs(first, state),
+                             num_cached_tokens=first.num_cached_tokens, error=error)
+
+    @staticmethod
+    def _prompt_logprobs(first: Request, state: _DeltaState | None) -> PromptLogprobs | None:
+        """Once complete: every time, or once in delta mode."""
+        if first.prompt_logprobs is None or not first.prompt_logprobs_done:
+            return None
+        if state is None:
+            return list(first.prompt_logprobs)
+        if state.prompt_logprobs_sent:
+            return None
+        state.prompt_logprobs_sent = True
+        return first.prompt_logprobs
 
     @staticmethod
     def _delta_output(r: Request, state: _DeltaState) -> CompletionOutput:

@@ -75,6 +75,7 @@ class Pipeline:
         touched = self._end_grammar_step()
         tokens = self.runner.wait(committing)
         self.runner.begin_grammar_step(committing, handle)
+        self.scheduler.add_prompt_logprobs(self.runner.prompt_scores(committing))
         return touched + self.scheduler.commit(committing.rows, tokens)
 
     def _step_blocking(self) -> list[Request]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from photon.engine.detokenizer import IncrementalDetokenizer
+    from photon.outputs import PromptLogprobs, SampleLogprobs
     from photon.sampling_params import SamplingParams
     from photon.structured.manager import RequestGrammar
     from photon.worker.sampling_rows import SamplingRow
@@ -63,8 +64,11 @@ class Request:
     stop_reason: int | str | None = None
     pool_row: int | None = None  # row of the device token pool (owned by the model runner)
     num_preemptions: int = 0
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: SampleLogprobs = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # [None, then one entry per scored prompt token] when params.prompt_logprobs is set.
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int | None = None  # prefix-cache hit of its first admission
     detokenizer: IncrementalDetokenizer | None = None
     grammar: RequestGrammar | None = None  # structured outputs: compile state, then matcher
     error: str | None = None  # why the request failed (e.g. its grammar did not compile)
@@ -74,6 +78,12 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        """Every prompt token's logprob is collected (or none was asked for)."""
+        lps = self.prompt_logprobs
+        return lps is None or len(lps) >= len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from photon.config import SchedulerConfig
-from photon.engine.kv_cache import KVCacheManager
+from photon.engine.kv_cache import KVCacheManager, PrefixMatch
+from photon.engine.logprobs import TokenText, logprob_entry
 from photon.engine.request import FinishReason, Request, RequestStatus
 from photon.structured.backend import GrammarError
 
@@ -47,13 +48,29 @@ class SchedulerOutput:
 class CommittedToken:
     token_id: int
     logprob: float | None = None
-    top_logprobs: dict[int, float] | None = None
+    rank: int | None = None  # 1-based rank of the token in the raw distribution
+    top_ids: list[int] | None = None  # the top alternatives, most likely first
+    top_logprobs: list[float] | None = None
+
+
+@dataclass(slots=True)
+class PromptScores:
+    """Logprobs of `request`'s prompt tokens [first, first + len(logprobs)), from one step."""
+
+    request: Request
+    first: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]  # [] per token when no top logprobs were asked for
+    top_logprobs: list[list[float]]
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 on_release: Callable[[Request], None]) -> None:
+                 on_release: Callable[[Request], None], token_text: TokenText | None = None
+                 ) -> None:
         self.config = config
+        self.token_text = token_text  # a token's text, for logprob entries (None: no text)
         self.kv = kv
         self.on_release = on_release  # frees what the model runner holds (token-pool row)
         self.waiting: deque[Request] = deque()
@@ -152,7 +169,9 @@ class Scheduler:
             req = self.waiting[0]
             if req.inflight_refs > 0:
                 break  # a preempted request whose last step is still in flight (FCFS: wait)
-            prefix = self.kv.match_prefix(req.all_token_ids)
+            # Prompt logprobs need the logits of every prompt position: no cached prefix.
+            prefix = (self.kv.match_prefix(req.all_token_ids) if req.prompt_logprobs_done
+                      else PrefixMatch())
             num_new = min(req.num_known_tokens - prefix.num_tokens, budget)
             if not self.kv.allocate(req.request_id, prefix.num_tokens + num_new, prefix):
                 break
@@ -161,6 +180,7 @@ class Scheduler:
             req.released = False
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
+                req.num_cached_tokens = prefix.num_tokens
             req.num_computed_tokens = prefix.num_tokens
             self.running.append(req)
             self._add_row(req, num_new, out)
@@ -207,13 +227,30 @@ class Scheduler:
                 self._maybe_release(req)  # only preempted or finished requests release
         return touched
 
+    def add_prompt_logprobs(self, scores: list[PromptScores]) -> None:
+        """Append a step's prompt logprobs; tokens already collected (scored again by the
+        recompute of a preempted request) are skipped."""
+        for s in scores:
+            req = s.request
+            if req.prompt_logprobs is None:
+                continue
+            text = self._text_for(req)
+            for j, lp in enumerate(s.logprobs):
+                if s.first + j == len(req.prompt_logprobs):
+                    req.prompt_logprobs.append(logprob_entry(
+                        req.prompt_token_ids[s.first + j], lp, s.ranks[j], s.top_ids[j],
+                        s.top_logprobs[j], text))
+
+    def _text_for(self, req: Request) -> TokenText | None:
+        return self.token_text if req.params.detokenize else None
+
     def _append(self, req: Request, tok: CommittedToken) -> None:
         req.output_token_ids.append(tok.token_id)
         if tok.logprob is not None:
             req.cumulative_logprob += tok.logprob
-            entry = dict(tok.top_logprobs or {})
-            entry[tok.token_id] = tok.logprob
-            req.logprobs.append(entry)
+            req.logprobs.append(logprob_entry(tok.token_id, tok.logprob, tok.rank or 0,
+                                              tok.top_ids or (), tok.top_logprobs or (),
+                                              self._text_for(req)))
         stop_str = req.detokenizer.update(tok.token_id) if req.detokenizer else None
         grammar_done = req.grammar is not None and req.grammar.terminated
         reason = FinishReason.STOP if grammar_done else self._check_stop(req, tok.token_id,

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from photon.engine.async_engine import EngineDeadError
+from photon.outputs import SampleLogprobs
 from photon.server.errors import bad_request, error_body
 from photon.server.openai_serving import (
     ChoiceState,
@@ -17,6 +18,7 @@ from photon.server.openai_serving import (
     Serving,
     choice_updates,
     clamp_logprob,
+    token_logprob,
     top_entries,
     usage,
 )
@@ -75,14 +77,14 @@ class _ChatCtx:
         text = self.serving.core.tokenizer.decode([tid], skip_special_tokens=False)
         return {"token": text, "logprob": clamp_logprob(lp), "bytes": list(text.encode())}
 
-    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None
+    def _logprobs(self, token_ids: list[int], entries: SampleLogprobs | None
                   ) -> dict[str, Any] | None:
         if entries is None or not self.req.logprobs:
             return None
         k = self.req.top_logprobs or 0
         content = []
         for tid, entry in zip(token_ids, entries):
-            item = self._token(tid, entry.get(tid, float("-inf")))
+            item = self._token(tid, token_logprob(entry, tid))
             item["top_logprobs"] = [self._token(t, v) for t, v in top_entries(entry, k)]
             content.append(item)
         return {"content": content}

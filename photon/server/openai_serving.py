@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from photon.engine.async_engine import AsyncEngine, RequestSink
-from photon.outputs import RequestOutput
+from photon.outputs import Logprob, RequestOutput, SampleLogprobs
 from photon.sampling_params import SamplingParams
 from photon.server.admission import Admission, Ticket
 from photon.server.errors import APIError, bad_request, invalid_value
@@ -116,8 +116,14 @@ class Serving:
         self.admission.check_size(num_prompts, n)
 
     def sampling_params(self, req: _SamplingFields, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
+        """`prompt_logprobs`: asked for by the endpoint (completions' echo) when the request's
+        own field (completions only) is not set."""
+        check_fields(req)
         structured = structured_params(req)
+        own = getattr(req, "prompt_logprobs", None)
+        prompt_logprobs = own if own is not None else prompt_logprobs
         given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p",
                                               "presence_penalty", "frequency_penalty",
                                               "repetition_penalty") if getattr(req, k) is not None}
@@ -127,6 +133,8 @@ class Serving:
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                logit_bias=logit_bias(req.logit_bias),
                 structured_outputs=structured, **given)
             params.validate_token_ids(self.core.config.model.vocab_size)
         except ValueError as e:
@@ -247,13 +255,44 @@ def _message_text(m: ChatMessage) -> str:
     return "\n".join(parts)
 
 
+def check_fields(req: _SamplingFields) -> None:
+    """400 for a known field photon does not implement (see protocol.UNSUPPORTED)."""
+    for name in req.unsupported_fields():
+        raise bad_request(f"`{name}` is not supported by photon", name)
+    if req.best_of is not None and req.best_of != 1:
+        raise bad_request(f"`best_of` is not supported by photon (only 1, got {req.best_of}); "
+                          f"use `n` for several completions and `logprobs` to rank them",
+                          "best_of")
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON object keys) with integer ids; ranges are checked
+    by SamplingParams."""
+    if bias is None:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = key.strip()
+        if not token.isdigit():  # str.isdigit also takes non-ASCII digits: int() reads them
+            raise bad_request(f"logit_bias keys must be token ids (non-negative integers), "
+                              f"got {key!r}", "logit_bias")
+        out[int(token)] = value
+    return out
+
+
 def clamp_logprob(value: float) -> float:
     value = float(value)
     return value if value == value and value > _MIN_LOGPROB else _MIN_LOGPROB
 
 
-def top_entries(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
-    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, float]]:
+    """The k most likely (token id, logprob) of a logprob entry, best first."""
+    return sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda kv: -kv[1])[:k]
+
+
+def token_logprob(entry: dict[int, Logprob], token_id: int) -> float:
+    lp = entry.get(token_id)
+    return lp.logprob if lp is not None else float("-inf")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -268,12 +307,12 @@ class ChoiceState:
     text: str = ""
     num_tokens: int = 0
     token_ids: list[int] | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     started: bool = False  # a streaming choice has sent its first chunk (chat: the role)
 
-    def add(self, token_ids: list[int], logprobs: list[dict[int, float]] | None, text: str,
+    def add(self, token_ids: list[int], logprobs: SampleLogprobs | None, text: str,
             finish_reason: str | None, stop_reason: int | str | None) -> None:
         self.text += text
         self.num_tokens += len(token_ids)

@@ -1,4 +1,5 @@
-"""OpenAI protocol models (pydantic). Requests accept and ignore unknown fields, as vLLM does.
+"""OpenAI protocol models (pydantic). Requests accept unknown fields, as vLLM does, but an OpenAI
+or vLLM field photon does not implement is refused (`unsupported_fields`): never silently ignored.
 
 Value ranges are checked by `SamplingParams` (one source of truth, clear messages -> 400); the
 models here check types only, plus a cap on `n` so one request cannot create unbounded work.
@@ -10,7 +11,7 @@ surrogate, which no tokenizer can encode).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
 from pydantic.types import AllowInfNan
@@ -37,6 +38,36 @@ Prompt = Annotated[Text | list[Text] | TokenIds | list[TokenIds], BeforeValidato
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
+    # Known OpenAI / vLLM fields photon does not implement -> the values that ask for nothing
+    # (accepted: clients send some defaults explicitly). None is always accepted.
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    def unsupported_fields(self) -> list[str]:
+        """The request's fields that ask for something photon does not implement."""
+        extra = self.model_extra or {}
+        return [name for name, neutral in self.UNSUPPORTED.items()
+                if extra.get(name) is not None and not _is_neutral(extra[name], neutral)]
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    # bool is an int in Python: `True in (1,)` would hold, so compare types too.
+    return any(type(value) is type(n) and value == n for n in neutral)
+
+
+_UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
+    # vLLM sampling and serving extensions
+    "use_beam_search": (False,), "length_penalty": (1.0, 1), "early_stopping": (False,),
+    "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
+    "allowed_token_ids": (), "bad_words": ([],), "priority": (0,), "request_id": (),
+    "logits_processors": (), "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,), "cache_salt": (), "kv_transfer_params": (),
+    "vllm_xargs": (), "prompt_embeds": (), "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (), "structural_tag": (), "mm_processor_kwargs": (),
+    "media_io_kwargs": (),
+    # OpenAI
+    "store": (False,), "service_tier": ("auto", "default"), "audio": (),
+    "modalities": (["text"],), "prediction": (), "web_search_options": (), "verbosity": (),
+}
 
 
 class StreamOptions(_Request):
@@ -92,14 +123,25 @@ class _SamplingFields(_Request):
     user: Text | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    logit_bias: dict[str, Float] | None = None  # token id (as a JSON key) -> bias
+    best_of: Int | None = None  # only 1 (vLLM's V1 engine has no best_of either)
+    # vLLM's older names for structured outputs (still accepted by vLLM)
+    guided_json: JsonObject | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
 
 class CompletionRequest(_SamplingFields):
+    UNSUPPORTED = _UNSUPPORTED_COMMON
+
     prompt: Prompt
-    max_tokens: Int | None = 16
+    max_tokens: Int | None = 16  # 0 with echo: only the prompt (and its logprobs) comes back
     logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True
+    prompt_logprobs: Int | None = None
 
 
 class ContentPart(_Request):
@@ -157,6 +199,9 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    UNSUPPORTED = {**_UNSUPPORTED_COMMON, "echo": (False,), "add_special_tokens": (False,),
+                   "prompt_logprobs": ()}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
@@ -207,10 +252,17 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

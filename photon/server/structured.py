@@ -10,9 +10,25 @@ from photon.server.errors import bad_request
 from photon.server.protocol import ResponseFormat, StructuredOutputsRequest, _SamplingFields
 from photon.structured.params import StructuredOutputsParams
 
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _guided(req: _SamplingFields) -> StructuredOutputsRequest | None:
+    """vLLM's older `guided_*` fields as a `structured_outputs` request (one at most)."""
+    given = [name for name in _GUIDED if getattr(req, name) is not None]
+    if not given:
+        return None
+    if req.structured_outputs is not None:
+        given.append("structured_outputs")
+    if len(given) > 1:
+        raise bad_request(f"give only one of {', '.join(_GUIDED)} and structured_outputs; got "
+                          f"{', '.join(given)}", given[0])
+    return StructuredOutputsRequest(json=req.guided_json, regex=req.guided_regex,
+                                    choice=req.guided_choice, grammar=req.guided_grammar)
+
 
 def structured_params(req: _SamplingFields) -> StructuredOutputsParams | None:
-    so, rf = req.structured_outputs, req.response_format
+    so, rf = _guided(req) or req.structured_outputs, req.response_format
     if so is not None and rf is not None and rf.type != "text":
         raise bad_request("give either response_format or structured_outputs, not both",
                           "response_format")

@@ -12,7 +12,7 @@ import numpy as np
 
 from photon.engine.scheduler import ScheduledRow
 from photon.worker.inputs import I64, StepArrays, min_tokens_bans
-from photon.worker.sampling_rows import RowState
+from photon.worker.sampling_rows import RowState, logit_bias_arrays
 
 
 def build_decode_arrays(rows: list[ScheduledRow], state: RowState, block_size: int,
@@ -31,16 +31,22 @@ def build_decode_arrays(rows: list[ScheduledRow], state: RowState, block_size: i
     slots = tables[np.arange(n), start // block_size] * block_size + start % block_size
     const = state.gather(pr, counters)
     ban_rows, ban_tokens = min_tokens_bans(rows, const.below_min_tokens)
+    bias_rows, bias_tokens, bias_values = logit_bias_arrays(rows, const.biased)
     ints = {
         "positions": start, "pool_idx": pr * pool_width + start, "slot_mapping": slots,
         "write_idx": write_idx, "write_ids": write_ids, "seq_lens": seq_lens,
         "query_start_loc": np.arange(n + 1, dtype=I64), "block_tables": tables,
         "logits_indices": np.arange(n, dtype=I64), **const.ints, "counters": counters,
         "pool_rows": pr, "s_seq_lens": seq_lens, "sample_pool_idx": pr * pool_width + seq_lens,
-        "ban_rows": ban_rows, "ban_tokens": ban_tokens,
+        "ban_rows": ban_rows, "ban_tokens": ban_tokens, "bias_rows": bias_rows,
+        "bias_tokens": bias_tokens, "plp_idx": _NONE, "plp_tokens": _NONE,
     }
     lens = seq_lens.tolist()
-    return StepArrays(ints, const.floats, lens, [1] * n, True, list(range(n)), const.flags)
+    floats = {**const.floats, "bias_values": bias_values}
+    return StepArrays(ints, floats, lens, [1] * n, True, list(range(n)), const.flags)
+
+
+_NONE = np.zeros(0, dtype=I64)  # a decode row never scores a prompt token
 
 
 def _pool_writes(rows: list[ScheduledRow], pr: np.ndarray, seq_lens: np.ndarray,

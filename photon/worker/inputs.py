@@ -8,12 +8,23 @@ after preemption, a new pool row) are written from the host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from photon.engine.scheduler import ScheduledRow
-from photon.worker.sampling_rows import I64, RowState
+from photon.worker.sampling_rows import I64, RowState, logit_bias_arrays
+
+
+@dataclass(frozen=True)
+class PromptSpan:
+    """Prompt tokens [first, first + count) of row `row` are scored this step (their logprobs
+    come from the logits of the positions before them), with `k` top logprobs each."""
+
+    row: int
+    first: int
+    count: int
+    k: int
 
 
 @dataclass
@@ -25,6 +36,12 @@ class StepArrays:
     decode_only: bool
     sample_rows: list[int]  # indices of rows that sample, in sampling order
     flags: dict[str, bool | int]
+    prompt_spans: list[PromptSpan] = field(default_factory=list)  # in plp_idx order
+
+    @property
+    def prompt_k(self) -> int:
+        """The most top logprobs a prompt span wants; -1: no prompt logprobs this step."""
+        return max((s.k for s in self.prompt_spans), default=-1)
 
 
 def _token_arrays(rows: list[ScheduledRow], block_size: int, pool_width: int,
@@ -92,7 +109,8 @@ def _sampling_arrays(rows: list[ScheduledRow], pool_width: int, state: RowState
     ints = {**const.ints, "counters": counters, "pool_rows": pr, "s_seq_lens": seq_lens,
             "sample_pool_idx": pr * pool_width + seq_lens}
     ints["ban_rows"], ints["ban_tokens"] = min_tokens_bans(srows, const.below_min_tokens)
-    return ints, const.floats, const.flags
+    ints["bias_rows"], ints["bias_tokens"], bias_values = logit_bias_arrays(srows, const.biased)
+    return ints, {**const.floats, "bias_values": bias_values}, const.flags
 
 
 def min_tokens_bans(rows: list[ScheduledRow], below: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -112,6 +130,28 @@ def min_tokens_bans(rows: list[ScheduledRow], below: list[int]) -> tuple[np.ndar
     return _i64(ban_rows), _i64(ban_tokens)
 
 
+def prompt_logprob_arrays(rows: list[ScheduledRow], query_start: np.ndarray
+                          ) -> tuple[np.ndarray, np.ndarray, list[PromptSpan]]:
+    """(hidden-state index, prompt token) of every prompt token scored this step, and the spans.
+    Rows of requests that asked for prompt logprobs score the prompt tokens following their
+    computed positions (the first prompt token has no logprob)."""
+    idx: list[int] = []
+    tokens: list[int] = []
+    spans: list[PromptSpan] = []
+    for i, row in enumerate(rows):
+        req = row.request
+        k = req.params.prompt_logprobs
+        end = min(row.seq_len, req.num_prompt_tokens - 1)
+        if k is None or row.start >= end or req.prompt_logprobs_done:
+            continue
+        count = end - row.start
+        base = int(query_start[i])
+        idx.extend(range(base, base + count))
+        tokens.extend(req.prompt_token_ids[row.start + 1:end + 1])
+        spans.append(PromptSpan(i, row.start + 1, count, k))
+    return _i64(idx), _i64(tokens), spans
+
+
 def build_step_arrays(rows: list[ScheduledRow], block_size: int, pool_width: int,
                       pool_valid: np.ndarray, state: RowState) -> StepArrays:
     """`pool_valid` is updated for the rows (the runner passes `state.pool_valid`)."""
@@ -119,6 +159,8 @@ def build_step_arrays(rows: list[ScheduledRow], block_size: int, pool_width: int
     ints.update(_seq_arrays(rows))
     s_ints, s_floats, flags = _sampling_arrays(rows, pool_width, state)
     ints.update(s_ints)
+    ints["plp_idx"], ints["plp_tokens"], spans = prompt_logprob_arrays(
+        rows, ints["query_start_loc"])
     return StepArrays(
         ints=ints,
         floats=s_floats,
@@ -127,4 +169,5 @@ def build_step_arrays(rows: list[ScheduledRow], block_size: int, pool_width: int
         decode_only=all(r.num_tokens == 1 for r in rows),
         sample_rows=[i for i, r in enumerate(rows) if r.sample],
         flags=flags,
+        prompt_spans=spans,
     )

@@ -26,7 +26,7 @@ import torch
 from photon.attention.backend import AttentionMetadata, ForwardContext, create_backend
 from photon.config import EngineConfig, check_kv_capacity, flag
 from photon.engine.request import Request
-from photon.engine.scheduler import CommittedToken, ScheduledRow, SchedulerOutput
+from photon.engine.scheduler import CommittedToken, PromptScores, ScheduledRow, SchedulerOutput
 from photon.model.loader import load_model
 from photon.sampling_params import MAX_LOGPROBS
 from photon.structured.backend import bitmask_width
@@ -38,17 +38,21 @@ from photon.worker.cuda_graph import DecodeGraphs, pad_decode_arrays
 from photon.worker.decode_inputs import build_decode_arrays, is_plain_decode
 from photon.worker.inputs import StepArrays, build_step_arrays
 from photon.worker.probe import StepMarks, StepProbe
-from photon.worker.sampler import Sampler, SamplingBatch
+from photon.worker.sampler import Sampler, SamplingBatch, token_logprobs
 from photon.worker.sampling_rows import RowState
 from photon.worker.slots import StepSlot, Streams
 
 _INT_FIELDS = ("positions", "pool_idx", "slot_mapping", "write_idx", "write_ids", "seq_lens",
                "query_start_loc", "block_tables", "logits_indices", "top_k", "keys", "counters",
                "pool_rows", "prompt_lens", "s_seq_lens", "sample_pool_idx", "ban_rows",
-               "ban_tokens")
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
+               "ban_tokens", "bias_rows", "bias_tokens", "plp_idx", "plp_tokens")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition",
+                 "bias_values")
 CPU_DEFAULT_KV_BYTES = 256 << 20
 _NONE = np.zeros(0, dtype=np.int64)
+# Prompt positions whose logits are computed at once for prompt logprobs: bounds the [N, V]
+# float32 logits (and their log-softmax) however long the chunk is.
+PROMPT_LOGITS_CHUNK = 256
 
 
 @dataclass
@@ -255,10 +259,30 @@ class ModelRunner:
         if arrays.sample_rows:
             sel = hidden if arrays.decode_only else hidden[dev["logits_indices"]]
             logits = self.model.compute_logits(sel)
+        slot.reserve_prompt(arrays.ints["plp_idx"].size, max(arrays.prompt_k, 0))
+        if arrays.prompt_spans:
+            self._score_prompt(slot, hidden, dev, arrays.prompt_k)
         if marks is not None:
             self.probe.mark(marks, "fwd_end")
         return StepHandle(slot, prep.rows, arrays, dev, logits, len(arrays.sample_rows),
                           int(arrays.flags["max_logprobs"]), marks)
+
+    def _score_prompt(self, slot: StepSlot, hidden: torch.Tensor, dev: dict[str, torch.Tensor],
+                      k: int) -> None:
+        """Prompt logprobs of the step's scored prompt tokens into the slot's outputs (downloaded
+        with the sampled tokens): log-softmax in float32, the token's rank, the top k."""
+        idx, tokens = dev["plp_idx"], dev["plp_tokens"]
+        n = idx.shape[0]
+        out = slot.prompt_views(n, k)
+        for a in range(0, n, PROMPT_LOGITS_CHUNK):
+            b = min(n, a + PROMPT_LOGITS_CHUNK)
+            logits = self.model.compute_logits(hidden[idx[a:b]]).float()
+            lp, rank, top_ids, top_lp = token_logprobs(torch.log_softmax(logits, dim=-1),
+                                                       tokens[a:b], k)
+            out.logprob[a:b].copy_(lp)
+            out.ranks[a:b].copy_(rank)
+            out.topk_ids[a:b].copy_(top_ids)
+            out.topk_lp[a:b].copy_(top_lp)
 
     def _forward_eager(self, rows: list[ScheduledRow], arrays: StepArrays,
                        dev: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -355,11 +379,13 @@ class ModelRunner:
             min_p=d["min_p"], keys=d["keys"], counters=d["counters"],
             presence_penalty=d["presence"], frequency_penalty=d["frequency"],
             repetition_penalty=d["repetition"], ban_rows=d["ban_rows"], ban_tokens=d["ban_tokens"],
+            bias_rows=d["bias_rows"], bias_tokens=d["bias_tokens"], bias_values=d["bias_values"],
             token_pool=self.token_pool if f["any_penalties"] else None,
             pool_rows=d["pool_rows"], prompt_lens=d["prompt_lens"], seq_lens=d["s_seq_lens"],
             all_greedy=bool(f["all_greedy"]), any_top_k=bool(f["any_top_k"]),
             any_top_p=bool(f["any_top_p"]), any_min_p=bool(f["any_min_p"]),
-            any_penalties=bool(f["any_penalties"]), max_logprobs=int(f["max_logprobs"]),
+            any_penalties=bool(f["any_penalties"]), any_logit_bias=bool(f["any_logit_bias"]),
+            max_logprobs=int(f["max_logprobs"]),
             token_bitmask=self._grammar_bitmask(h),
         )
 
@@ -379,6 +405,7 @@ class ModelRunner:
         views.tokens.copy_(out.token_ids)
         if k >= 0:
             views.logprob.copy_(out.logprobs)
+            views.ranks.copy_(out.ranks)
             if k > 0:
                 views.topk_ids.copy_(out.topk_ids)
                 views.topk_lp.copy_(out.topk_logprobs)
@@ -404,16 +431,33 @@ class ModelRunner:
         n, k = h.num_sampled, h.max_logprobs
         if n == 0:
             return result
-        tokens = h.slot.out_i_host[:n].tolist()
-        lps = h.slot.out_f_host[:n].tolist() if k >= 0 else None
-        top_ids = h.slot.out_i_host[n:n + n * k].view(n, k).tolist() if k > 0 else None
-        top_lps = h.slot.out_f_host[n:n + n * k].view(n, k).tolist() if k > 0 else None
+        host = h.slot.output_views(n, max(k, 0), host=True)
+        tokens = host.tokens.tolist()
+        lps, ranks = (host.logprob.tolist(), host.ranks.tolist()) if k >= 0 else (None, None)
+        top_ids, top_lps = host.topk_ids.tolist(), host.topk_lp.tolist()
         for j, i in enumerate(h.arrays.sample_rows):
             tok = CommittedToken(tokens[j])
             want = h.rows[i].request.params.logprobs
             if lps is not None and want is not None:
-                tok.logprob = lps[j]
-                if want > 0 and top_ids is not None:
-                    tok.top_logprobs = dict(zip(top_ids[j][:want], top_lps[j][:want]))
+                tok.logprob, tok.rank = lps[j], ranks[j]
+                tok.top_ids, tok.top_logprobs = top_ids[j][:want], top_lps[j][:want]
             result[i] = tok
         return result
+
+    def prompt_scores(self, h: StepHandle) -> list[PromptScores]:
+        """Step `h`'s prompt logprobs as Python values (after its wait: no further sync)."""
+        spans = h.arrays.prompt_spans
+        if not spans:
+            return []
+        total = sum(s.count for s in spans)
+        host = h.slot.prompt_views(total, max(h.arrays.prompt_k, 0), host=True)
+        lps, ranks = host.logprob.tolist(), host.ranks.tolist()
+        top_ids, top_lps = host.topk_ids.tolist(), host.topk_lp.tolist()
+        scores, at = [], 0
+        for s in spans:
+            end = at + s.count
+            scores.append(PromptScores(
+                h.rows[s.row].request, s.first, lps[at:end], ranks[at:end],
+                [ids[:s.k] for ids in top_ids[at:end]], [v[:s.k] for v in top_lps[at:end]]))
+            at = end
+        return scores

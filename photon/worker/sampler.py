@@ -66,12 +66,17 @@ class SamplingBatch:
     any_penalties: bool
     max_logprobs: int  # -1: no row wants logprobs
     token_bitmask: TokenMask | None = None  # grammar masks; None: no row has a grammar
+    any_logit_bias: bool = False  # some row has logit_bias entries (else the next are not read)
+    bias_rows: Tensor | None = None  # [B] int64 \
+    bias_tokens: Tensor | None = None  # [B] int64  | logits[row, token] += value
+    bias_values: Tensor | None = None  # [B] float32 /
 
 
 @dataclass
 class SamplerOutput:
     token_ids: Tensor  # [R] int64
     logprobs: Tensor | None  # [R] float32, raw-distribution logprob of the sampled token
+    ranks: Tensor | None  # [R] int64, its 1-based rank: 1 + #tokens with a larger logprob
     topk_ids: Tensor | None  # [R, max_logprobs] int64
     topk_logprobs: Tensor | None  # [R, max_logprobs] float32
 
@@ -180,6 +185,13 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return logits - batch.presence_penalty[:, None] * (out_counts > 0).float()
 
 
+def apply_logit_bias(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """logits[bias_rows[i], bias_tokens[i]] += bias_values[i] in place (a scatter: no sync)."""
+    flat = batch.bias_rows * logits.shape[1] + batch.bias_tokens
+    logits.view(-1).index_add_(0, flat, batch.bias_values)
+    return logits
+
+
 def apply_bans(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """Set logits[ban_rows[i], ban_tokens[i]] = -inf in place (a scatter: no sync)."""
     flat = batch.ban_rows * logits.shape[1] + batch.ban_tokens
@@ -240,10 +252,14 @@ def _sample_random(logits: Tensor, batch: SamplingBatch, greedy: Tensor) -> Tens
     return (logits + noise).argmax(dim=-1)
 
 
-def _logprob_outputs(raw: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    sampled = raw.gather(1, token_ids[:, None]).squeeze(1)
+def token_logprobs(raw: Tensor, token_ids: Tensor, k: int
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logprob [N], 1-based rank [N], top-k ids [N, k], top-k logprobs [N, k]) of `token_ids`
+    in the log-softmaxed rows `raw` [N, V], on the device."""
+    sampled = raw.gather(1, token_ids[:, None])
+    ranks = (raw > sampled).sum(dim=-1) + 1
     top_lp, top_ids = raw.topk(k, dim=-1) if k > 0 else (raw[:, :0], raw[:, :0].long())
-    return sampled, top_ids, top_lp
+    return sampled.squeeze(1), ranks, top_ids, top_lp
 
 
 def _needs_threshold(batch: SamplingBatch) -> bool:
@@ -298,6 +314,8 @@ class Sampler:
         owned = overwrite or logits.dtype != torch.float32  # .float() copies only then
         logits = logits.float()
         raw = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
+        if batch.any_logit_bias:
+            logits, owned = apply_logit_bias(logits if owned else logits.clone(), batch), True
         if batch.any_penalties:
             logits, owned = apply_penalties(logits, batch), True
         if batch.ban_rows.numel() > 0:  # a shape, not a value: no sync
@@ -305,6 +323,5 @@ class Sampler:
         fused = self.fused if self.fused is not None else logits.is_cuda and USE_TRITON
         token_ids = _draw(logits, batch, fused, owned)
         if raw is None:
-            return SamplerOutput(token_ids, None, None, None)
-        sampled, top_ids, top_lp = _logprob_outputs(raw, token_ids, batch.max_logprobs)
-        return SamplerOutput(token_ids, sampled, top_ids, top_lp)
+            return SamplerOutput(token_ids, None, None, None, None)
+        return SamplerOutput(token_ids, *token_logprobs(raw, token_ids, batch.max_logprobs))

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 I64 = np.int64
 # Integer sampling constants per row.
-TOP_K, KEY, PROMPT_LEN, MIN_TOKENS, LOGPROBS, GREEDY, PENALTIES, GRAMMAR = range(8)
+TOP_K, KEY, PROMPT_LEN, MIN_TOKENS, LOGPROBS, GREEDY, PENALTIES, GRAMMAR, BIAS = range(9)
+_NO_BIAS = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
 FLOATS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
 # A row whose request could not be staged runs once more as a zombie: greedy, nothing else.
 _INERT_FLOATS = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
@@ -31,8 +32,10 @@ _INERT_FLOATS = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
 
 @dataclass(frozen=True)
 class SamplingRow:
-    ints: np.ndarray  # [8] int64, columns TOP_K .. GRAMMAR
+    ints: np.ndarray  # [9] int64, columns TOP_K .. BIAS (BIAS: the number of logit_bias entries)
     floats: np.ndarray  # [6] float32, in FLOATS order
+    bias_tokens: np.ndarray | None = None  # [B] int64 logit_bias token ids (None: no bias)
+    bias_values: np.ndarray | None = None  # [B] float32 their biases
 
 
 def pack_sampling_row(params: SamplingParams, random_key: int, prompt_len: int, max_tokens: int,
@@ -44,12 +47,19 @@ def pack_sampling_row(params: SamplingParams, random_key: int, prompt_len: int, 
                      random_key, prompt_len,
                      min(params.min_tokens, max_tokens),  # bans end by max_tokens anyway
                      -1 if params.logprobs is None else params.logprobs, int(params.greedy),
-                     int(params.needs_penalties), int(params.structured_outputs is not None)],
-                    dtype=I64)
+                     int(params.needs_penalties), int(params.structured_outputs is not None),
+                     len(params.logit_bias or ())], dtype=I64)
     floats = np.array(params.float_row, dtype=np.float32)
     if not np.isfinite(floats).all():
         raise ValueError(f"sampling values {params.float_row} do not fit float32")
-    return SamplingRow(ints, floats)
+    if not params.logit_bias:
+        return SamplingRow(ints, floats)
+    bias = params.logit_bias
+    tokens = np.fromiter(bias.keys(), dtype=I64, count=len(bias))
+    values = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
+    if (tokens >= vocab_size).any() or not np.isfinite(values).all():
+        raise ValueError(f"logit_bias {bias} does not fit the vocabulary or float32")
+    return SamplingRow(ints, floats, tokens, values)
 
 
 @dataclass
@@ -58,6 +68,7 @@ class SampledConstants:
     floats: dict[str, np.ndarray]  # FLOATS
     flags: dict[str, bool | int]  # the sampler's switches (sampling_flags)
     below_min_tokens: list[int]  # sampling rows still under their min_tokens
+    biased: list[int]  # sampling rows with a logit_bias
 
 
 class RowState:
@@ -65,7 +76,7 @@ class RowState:
         self.block_tables = np.zeros((num_rows, max_blocks), dtype=I64)
         self.num_blocks = np.zeros(num_rows, dtype=I64)
         self.pool_valid = np.zeros(num_rows, dtype=I64)  # pool holds tokens [0, pool_valid)
-        self.ints = np.zeros((num_rows, 8), dtype=I64)
+        self.ints = np.zeros((num_rows, BIAS + 1), dtype=I64)
         self.floats = np.zeros((num_rows, len(FLOATS)), dtype=np.float32)
 
     def assign(self, row: int, req: Request) -> None:
@@ -78,7 +89,7 @@ class RowState:
         """Constants for a request that failed to stage: greedy, no penalties, bans or logprobs."""
         self.num_blocks[row] = 0
         self.pool_valid[row] = 0
-        self.ints[row] = (0, 0, prompt_len, 0, -1, 1, 0, 0)
+        self.ints[row] = (0, 0, prompt_len, 0, -1, 1, 0, 0, 0)
         self.floats[row] = _INERT_FLOATS
 
     def gather(self, pool_rows: np.ndarray, counters: np.ndarray) -> SampledConstants:
@@ -89,7 +100,8 @@ class RowState:
             ints={"top_k": ints[:, TOP_K], "keys": ints[:, KEY], "prompt_lens": ints[:, PROMPT_LEN]},
             floats={name: floats[:, i] for i, name in enumerate(FLOATS)},
             flags=sampling_flags(ints, floats),
-            below_min_tokens=np.flatnonzero(counters < ints[:, MIN_TOKENS]).tolist())
+            below_min_tokens=np.flatnonzero(counters < ints[:, MIN_TOKENS]).tolist(),
+            biased=np.flatnonzero(ints[:, BIAS]).tolist())
 
     def sync_blocks(self, rows: list[ScheduledRow]) -> None:
         """Copy blocks added since the last step (block lists only grow while a row is held)."""
@@ -113,4 +125,18 @@ def sampling_flags(ints: np.ndarray, floats: np.ndarray) -> dict[str, bool | int
         "any_penalties": bool(ints[:, PENALTIES].any()),
         "max_logprobs": int(ints[:, LOGPROBS].max(initial=-1)),
         "any_grammar": bool(ints[:, GRAMMAR].any()),
+        "any_logit_bias": bool(ints[:, BIAS].any()),
     }
+
+
+def logit_bias_arrays(rows: list[ScheduledRow], biased: list[int]
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flat (row, token, bias) triples of the sampling rows `biased` (indices into `rows`, the
+    step's sampling rows): the sampler adds them to the logits with one scatter."""
+    if not biased:
+        return _NO_BIAS[0], _NO_BIAS[0], _NO_BIAS[1]
+    samplings = [rows[i].request.sampling for i in biased]
+    counts = [len(s.bias_tokens) for s in samplings]
+    row_ids = np.repeat(np.asarray(biased, dtype=I64), counts)
+    return (row_ids, np.concatenate([s.bias_tokens for s in samplings]),
+            np.concatenate([s.bias_values for s in samplings]))

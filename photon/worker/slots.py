@@ -31,6 +31,7 @@ H2D of step t and after the compute stream's S.sampled (so forward t no longer r
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +39,10 @@ import torch
 
 from photon.structured.bitmask import TokenMask
 from photon.worker.stream_wait import HostWordWait
+
+
+def _no_stream() -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
 
 
 class Streams:
@@ -60,10 +65,40 @@ class Streams:
 
 @dataclass
 class OutputViews:
+    """Device views of a step's outputs: sampled tokens (or, for prompt logprobs, the prompt
+    tokens scored) with their logprobs, ranks and top-K alternatives."""
+
     tokens: torch.Tensor  # [R] int64
     logprob: torch.Tensor  # [R] float32
+    ranks: torch.Tensor  # [R] int64
     topk_ids: torch.Tensor  # [R, K] int64
     topk_lp: torch.Tensor  # [R, K] float32
+
+
+class OutputBuffer:
+    """A device output buffer and its host twin (pinned on CUDA), grown on demand."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.device = device
+        self.dev = torch.zeros(numel, dtype=dtype, device=device)
+        self.host = torch.zeros(numel, dtype=dtype, pin_memory=device.type == "cuda")
+
+    def ensure(self, numel: int) -> None:
+        """Only between uses: the slot's previous step was committed (its copy waited)."""
+        if numel > self.dev.numel():
+            self.__init__(max(numel, 2 * self.dev.numel()), self.dev.dtype, self.device)
+
+    def enqueue_download(self, numel: int, cuda: bool) -> None:
+        if numel:
+            self.host[:numel].copy_(self.dev[:numel], non_blocking=cuda)
+
+
+def _views(ints: torch.Tensor, floats: torch.Tensor, rows: int, k: int,
+           tokens: torch.Tensor) -> OutputViews:
+    """[ranks R | topk ids R*K] from `ints` past `tokens`, [logprob R | topk R*K] in floats."""
+    return OutputViews(tokens, floats[:rows], ints[:rows],
+                       ints[rows:rows + rows * k].view(rows, k),
+                       floats[rows:rows + rows * k].view(rows, k))
 
 
 class PackedBuffer:
@@ -108,11 +143,16 @@ class StepSlot:
         self.ints = PackedBuffer(int_numel, torch.int64, device, pin)
         self.floats = PackedBuffer(float_numel, torch.float32, device, pin)
         k = max_logprobs
-        # Output: [tokens | topk ids] as int64 and [logprob | topk logprobs] as float32.
-        self.out_i_dev = torch.zeros(max_rows * (1 + k), dtype=torch.int64, device=device)
+        # Output: [tokens | ranks | topk ids] as int64 and [logprob | topk logprobs] as float32.
+        self.out_i_dev = torch.zeros(max_rows * (2 + k), dtype=torch.int64, device=device)
         self.out_f_dev = torch.zeros(max_rows * (1 + k), dtype=torch.float32, device=device)
         self.out_i_host = torch.zeros_like(self.out_i_dev, device="cpu", pin_memory=pin)
         self.out_f_host = torch.zeros_like(self.out_f_dev, device="cpu", pin_memory=pin)
+        # Prompt logprobs: [ranks | topk ids] and [logprobs | topk logprobs] of the prompt
+        # positions scored this step (`prompt_used` P x (1 + K); 0 in most steps).
+        self.prompt_i = OutputBuffer(0, torch.int64, device)
+        self.prompt_f = OutputBuffer(0, torch.float32, device)
+        self.prompt_used = 0
         # A step's packed next-token masks, flat int32 (layout: photon.structured.bitmask); their
         # host side is the grammar executor's buffer for this slot.
         self.mask_dev = torch.zeros(mask_numel, dtype=torch.int32, device=device) if pin else None
@@ -159,28 +199,40 @@ class StepSlot:
         streams.compute.wait_event(self.mask_ready)
         return self.mask_dev
 
-    def output_views(self, rows: int, k: int) -> OutputViews:
-        return OutputViews(self.out_i_dev[:rows], self.out_f_dev[:rows],
-                           self.out_i_dev[rows:rows + rows * k].view(rows, k),
-                           self.out_f_dev[rows:rows + rows * k].view(rows, k))
+    def output_views(self, rows: int, k: int, host: bool = False) -> OutputViews:
+        i, f = (self.out_i_host, self.out_f_host) if host else (self.out_i_dev, self.out_f_dev)
+        return _views(i[rows:], f, rows, k, i[:rows])
+
+    def prompt_views(self, positions: int, k: int, host: bool = False) -> OutputViews:
+        """Views of the prompt logprob outputs (`tokens` is unused: the host knows them)."""
+        i = self.prompt_i.host if host else self.prompt_i.dev
+        f = self.prompt_f.host if host else self.prompt_f.dev
+        return _views(i, f, positions, k, i[:0])
+
+    def reserve_prompt(self, positions: int, k: int) -> None:
+        """This step scores `positions` prompt positions with top-`k` (0 positions: none)."""
+        self.prompt_used = positions * (1 + k)
+        self.prompt_i.ensure(self.prompt_used)
+        self.prompt_f.ensure(self.prompt_used)
 
     def download(self, streams: Streams, rows: int, k: int) -> None:
-        """Enqueue the D2H copy of the sampled tokens (and logprobs) after sampling finished."""
-        n = rows * (1 + max(k, 0))
-        if not streams.cuda:
-            if n == 0:
-                return
-            self.out_i_host[:n].copy_(self.out_i_dev[:n])
-            self.out_f_host[:n].copy_(self.out_f_dev[:n])
-            return
-        self.sampled.record(streams.compute)
-        with torch.cuda.stream(streams.copy):
-            streams.copy.wait_event(self.sampled)
-            if n:
-                self.out_i_host[:n].copy_(self.out_i_dev[:n], non_blocking=True)
-            if n and k >= 0:
-                self.out_f_host[:n].copy_(self.out_f_dev[:n], non_blocking=True)
-            self.copy_done.record()
+        """Enqueue the D2H copy of the sampled tokens (and logprobs, ranks, prompt logprobs)
+        after sampling finished."""
+        n_i = rows * (2 + k) if k >= 0 else rows
+        n_f = rows * (1 + k) if k >= 0 else 0
+        if streams.cuda:
+            self.sampled.record(streams.compute)
+        with torch.cuda.stream(streams.copy) if streams.cuda else _no_stream():
+            if streams.cuda:
+                streams.copy.wait_event(self.sampled)
+            if n_i:
+                self.out_i_host[:n_i].copy_(self.out_i_dev[:n_i], non_blocking=streams.cuda)
+            if n_f:
+                self.out_f_host[:n_f].copy_(self.out_f_dev[:n_f], non_blocking=streams.cuda)
+            self.prompt_i.enqueue_download(self.prompt_used, streams.cuda)
+            self.prompt_f.enqueue_download(self.prompt_used, streams.cuda)
+            if streams.cuda:
+                self.copy_done.record()
 
     def wait(self) -> None:
         """commit(t)'s wait: the designated host sync of the pipeline."""
