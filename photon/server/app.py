@@ -112,7 +112,7 @@ def _add_utility_routes(app: FastAPI, serving: Serving, metrics: ServerMetrics) 
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            text = await serving.chat_prompt(req.messages, req.add_generation_prompt)
+            text = await serving.chat_prompt(req)
             ids = await serving.text.encode(text, add_special_tokens=False)
         else:
             ids = await serving.text.encode(req.prompt or "", req.add_special_tokens)

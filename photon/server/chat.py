@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from photon.engine.async_engine import EngineDeadError
+from photon.reasoning import ReasoningSplitter
 from photon.server.errors import bad_request, error_body
 from photon.server.openai_serving import (
     ChoiceState,
@@ -37,7 +38,7 @@ class ChatHandler:
             else req.max_tokens
         params = s.sampling_params(req, max_tokens, logprobs)
         s.check_num_prompts(1, params.n)
-        text = await s.chat_prompt(req.messages, req.add_generation_prompt)
+        text = await s.chat_prompt(req)
         ids = await s.encode(text, "messages", add_special_tokens=False)
         s.check_prompt(ids, params, "messages")
         run = await s.start([ids], params, "chatcmpl")
@@ -54,6 +55,8 @@ class _ChatCtx:
         self.created = int(time.time())
         self.model = serving.config.served_model_name
         self.num_prompt_tokens = num_prompt_tokens
+        self.reasoning = serving.core.reasoning  # --reasoning-parser, or None
+        self.splitters: dict[int, ReasoningSplitter] = {}  # streaming: per choice
 
     def _token(self, tid: int, lp: float) -> dict[str, Any]:
         text = self.serving.core.tokenizer.decode([tid], skip_special_tokens=False)
@@ -88,11 +91,35 @@ class _ChatCtx:
         choices = []
         for idx in range(self.req.n):
             st = states.get(idx, ChoiceState())
-            choices.append({"index": idx, "message": {"role": "assistant", "content": st.text},
+            choices.append({"index": idx, "message": self._message(st.text),
                             "logprobs": self._logprobs(st.token_ids or [], st.logprobs),
                             "finish_reason": st.finish_reason, "stop_reason": st.stop_reason})
         completion = sum(st.num_tokens for st in states.values())
         return self._body("chat.completion", choices, usage(self.num_prompt_tokens, completion))
+
+    def _message(self, text: str) -> dict[str, Any]:
+        """The assistant message; with a reasoning parser the think block goes to
+        `reasoning_content` (and vLLM's newer `reasoning`), and an empty content is null."""
+        if self.reasoning is None:
+            return {"role": "assistant", "content": text}
+        split = self.reasoning.split(text)
+        if split.reasoning is None:
+            return {"role": "assistant", "content": split.content}
+        return {"role": "assistant", "content": split.content or None,
+                "reasoning_content": split.reasoning, "reasoning": split.reasoning}
+
+    def _delta(self, idx: int, text: str, final: bool) -> dict[str, Any]:
+        """A streamed choice's delta: the same split as `_message`, piece by piece."""
+        if self.reasoning is None:
+            return {"content": text} if text else {}
+        splitter = self.splitters.setdefault(idx, self.reasoning.splitter())
+        piece = splitter.feed(text, final)
+        delta: dict[str, Any] = {}
+        if piece.reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = piece.reasoning
+        if piece.content:
+            delta["content"] = piece.content
+        return delta
 
     def _chunk(self, idx: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
                finish: str | None = None, stop_reason: int | str | None = None) -> str:
@@ -108,7 +135,7 @@ class _ChatCtx:
             async for tag, out in run.outputs():
                 for idx, c in choice_updates(tag, out, self.req.n):
                     completion += len(c.token_ids)
-                    delta = {"content": c.text} if c.text else {}
+                    delta = self._delta(idx, c.text, c.finish_reason is not None)
                     yield self._chunk(idx, delta, self._logprobs(c.token_ids, c.logprobs),
                                       c.finish_reason, c.stop_reason)
             opts = self.req.stream_options

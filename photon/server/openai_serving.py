@@ -22,11 +22,19 @@ from photon.outputs import RequestOutput
 from photon.sampling_params import SamplingParams
 from photon.server.admission import Admission, Ticket
 from photon.server.errors import APIError, bad_request, invalid_value
-from photon.server.protocol import ChatMessage, _SamplingFields
+from photon.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    TokenizeRequest,
+    _SamplingFields,
+)
 from photon.server.structured import precompile, structured_params
 from photon.server.tokenization import PromptTokenizer
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON
+# Chat-template variables set from request fields, not from chat_template_kwargs.
+_RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "chat_template",
+                                     "continue_final_message"})
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,7 @@ class ServerConfig:
     max_prompts_per_request: int = 256
     max_request_body_bytes: int = 16 * 1024 * 1024
     allowed_origins: tuple[str, ...] = ()
+    chat_template: str | None = None  # --chat-template (its text); None: the model's own
 
 
 class Run:
@@ -153,16 +162,28 @@ class Serving:
         except ValueError as e:
             raise bad_request(str(e), "max_tokens") from None
 
-    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-        """The chat template's text, rendered in a worker thread (it may be long)."""
-        return await asyncio.to_thread(self._render_chat, messages, add_generation_prompt)
+    async def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
+        """The chat template's text for `req.messages`, rendered in a worker thread (it may be
+        long), with the request's chat controls."""
+        if req.continue_final_message and req.add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be "
+                              "true; set add_generation_prompt to false to continue the final "
+                              "message", "continue_final_message")
+        return await asyncio.to_thread(self._render_chat, req)
 
-    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    def _render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
         msgs = [{**m.model_dump(exclude_none=True, exclude={"content"}),
-                 "content": _message_text(m)} for m in messages]
+                 "content": _message_text(m)} for m in req.messages or []]
+        kwargs = req.chat_template_kwargs or {}
+        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_VARS)
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}; use the "
+                              f"request fields of those names", "chat_template_kwargs")
         try:
             return self.core.tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt)
+                msgs, add_generation_prompt=req.add_generation_prompt,
+                chat_template=self.config.chat_template,
+                continue_final_message=req.continue_final_message, **kwargs)
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault

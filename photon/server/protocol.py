@@ -120,6 +120,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: JsonObject | None = None
 
 
 class TokenizeRequest(_Request):
@@ -128,6 +130,8 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: JsonObject | None = None
 
 
 class DetokenizeRequest(_Request):
@@ -194,6 +198,8 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the think block's text
+    reasoning: str | None = None  # the same text under vLLM's newer name
 
 
 class ChatChoice(BaseModel):
