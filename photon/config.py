@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from photon.reasoning import get_reasoning_parser, reasoning_parser_names
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -87,6 +89,7 @@ class EngineConfig:
     structured_outputs_max_chars: int = 65536
     structured_outputs_max_choices: int = 1024
     structured_outputs_cache_mb: int = 512
+    reasoning_parser: str | None = None
 
     @property
     def pipeline_depth(self) -> int:
@@ -167,6 +170,11 @@ class EngineArgs:
     structured_outputs_cache_mb: int = field(default=512, metadata=_help(
         "Memory for compiled grammars kept for reuse by later requests with the same spec, in "
         "MiB (least recently used ones are dropped beyond it)."))
+    reasoning_parser: str | None = field(default=None, metadata=_help(
+        "How the model marks its reasoning: the server returns the think block as "
+        "reasoning_content, the rest as content, and structured outputs constrain only the "
+        "text after the reasoning. Default: none (all output is content).",
+        tuple(reasoning_parser_names())))
 
     def create_config(self) -> EngineConfig:
         from photon.model.tiny import resolve_model_path
@@ -226,6 +234,7 @@ class EngineArgs:
             structured_outputs_max_chars=self.structured_outputs_max_chars,
             structured_outputs_max_choices=self.structured_outputs_max_choices,
             structured_outputs_cache_mb=self.structured_outputs_cache_mb,
+            reasoning_parser=_reasoning_parser(self.reasoning_parser),
         )
 
     @classmethod
@@ -262,6 +271,15 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
     return value
+
+
+def _reasoning_parser(name: str | None) -> str | None:
+    if name is None:
+        return None
+    try:
+        return get_reasoning_parser(name).name
+    except ValueError as e:
+        raise ConfigError(f"reasoning_parser: {e}") from None
 
 
 def _positive(name: str, value: int) -> None:

@@ -15,8 +15,10 @@ from photon.config import EngineArgs
 from photon.engine.engine_core import EngineCore
 from photon.outputs import RequestOutput
 from photon.sampling_params import SamplingParams
+from photon.tokenizer import resolve_chat_template
 
 PromptType = str | Sequence[int]
+Conversation = list[dict[str, Any]]  # chat messages: {"role": ..., "content": ...}
 
 
 class LLM:
@@ -55,6 +57,34 @@ class LLM:
             while self.engine.has_unfinished():
                 self.engine.step()
             raise
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: render each conversation (one list of `{"role", "content"}`
+        messages, or a list of them) with the chat template (the model's, or `chat_template`:
+        a Jinja file's path or the template itself), then `generate` the rendered prompts.
+        `chat_template_kwargs` become template variables (e.g. `{"enable_thinking": False}`);
+        `tools` reach the template as `tools`."""
+        conversations = _as_conversations(messages)
+        template = None if chat_template is None else resolve_chat_template(chat_template)
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, chat_template=template,
+                continue_final_message=continue_final_message, tools=tools,
+                **(chat_template_kwargs or {}))
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests by id (`RequestOutput.request_id`), as vLLM's engine `abort_request`:
@@ -117,6 +147,20 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
                                            and all(isinstance(t, int) for t in p)):
             raise ValueError(f"each prompt must be a string or a list of token ids, got {p!r:.80}")
     return prompts
+
+
+def _as_conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:
+    items = list(messages)
+    if not items:
+        raise ValueError("messages is empty; give a conversation (a list of messages) or a list "
+                         "of conversations")
+    if all(isinstance(m, dict) for m in items):
+        return [items]  # one conversation
+    if all(isinstance(c, (list, tuple)) and c and all(isinstance(m, dict) for m in c)
+           for c in items):
+        return [list(c) for c in items]
+    raise ValueError("messages must be a list of message dicts ({'role': ..., 'content': ...}) "
+                     "or a list of such lists (one per conversation), none empty")
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None,

@@ -7,6 +7,7 @@ tokenizers do with `add_special_tokens=True`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -74,8 +75,10 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
-def _compile_template(source: str) -> Any:
-    """Compile like transformers does: sandboxed, trim_blocks + lstrip_blocks, loop controls."""
+@functools.lru_cache(maxsize=16)
+def compile_chat_template(source: str) -> Any:
+    """Compile like transformers does: sandboxed, trim_blocks + lstrip_blocks, loop controls.
+    Raises jinja2.TemplateSyntaxError for a template that does not parse."""
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -85,6 +88,24 @@ def _compile_template(source: str) -> Any:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
+
+
+def resolve_chat_template(value: str) -> str:
+    """vLLM's `--chat-template`: the path of a Jinja file, or the template itself. Checked here:
+    a template that does not parse, or a path that names no file, is a ValueError."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            value = f.read()
+    elif not any(c in value for c in "{}\n"):
+        raise ValueError(f"chat template {value!r} looks like a file path, but there is no such "
+                         f"file (give a Jinja file's path or the template text itself)")
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        compile_chat_template(value)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse: {e} (line {e.lineno})") from None
+    return value
 
 
 class Tokenizer:
@@ -151,15 +172,48 @@ class Tokenizer:
         return self._tok.to_str()
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render the model's Jinja chat template (sandboxed), like HF `tokenize=False`."""
+                            add_generation_prompt: bool = True, *,
+                            chat_template: str | None = None,
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
+        """Render a Jinja chat template (sandboxed), like HF `tokenize=False`: the model's, or
+        `chat_template` (its source). `kwargs` reach the template as variables (vLLM's
+        `chat_template_kwargs`, e.g. `enable_thinking`). `continue_final_message`: the text ends
+        with the last message's content, open for the model to continue (as transformers)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "true; set add_generation_prompt to false to continue the final "
+                             "message")
+        template = self._template(chat_template)
+        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                   "tools": None, **kwargs, "messages": messages,
+                   "add_generation_prompt": add_generation_prompt}
+        text = template.render(**context)
+        if continue_final_message and messages:
+            text = _cut_after_final(text, messages[-1].get("content"))
+        return text
+
+    def _template(self, source: str | None) -> Any:
+        if source is not None:
+            return compile_chat_template(source)
         if self._compiled_template is None:
             if not self.chat_template:
                 raise ValueError(
                     "this model has no chat template (no 'chat_template' in tokenizer_config.json "
-                    "and no chat_template.jinja); use the completions API with a raw prompt")
-            self._compiled_template = _compile_template(self.chat_template)
-        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
-                   "tools": None, **kwargs, "messages": messages,
-                   "add_generation_prompt": add_generation_prompt}
-        return self._compiled_template.render(**context)
+                    "and no chat_template.jinja); give one (--chat-template, or chat_template= "
+                    "in LLM.chat) or use the completions API with a raw prompt")
+            self._compiled_template = compile_chat_template(self.chat_template)
+        return self._compiled_template
+
+
+def _cut_after_final(text: str, final: Any) -> str:
+    """The rendered text up to the end of the final message's content (templates may strip it)."""
+    if isinstance(final, list):  # content parts: the last text part
+        texts = [p.get("text") for p in final if isinstance(p, dict) and p.get("text")]
+        final = texts[-1] if texts else ""
+    final = final if isinstance(final, str) else ""
+    for needle in (final, final.strip()):
+        at = text.rfind(needle)
+        if at >= 0:
+            return text[:at + len(needle)]
+    raise ValueError("continue_final_message: the chat template did not render the final "
+                     "message's content, so there is nothing to continue")

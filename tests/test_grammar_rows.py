@@ -16,8 +16,9 @@ STOP = 2
 WORDS = 3
 
 
-def _request(handle: int | None, outputs: int = 0) -> SimpleNamespace:
-    grammar = None if handle is None else SimpleNamespace(handle=handle, terminated=False)
+def _request(handle: int | None, outputs: int = 0, gate: int | None = None) -> SimpleNamespace:
+    grammar = None if handle is None else SimpleNamespace(handle=handle, terminated=False,
+                                                          start_after=gate)
     return SimpleNamespace(grammar=grammar, finalized=False, output_token_ids=[7] * outputs)
 
 
@@ -69,6 +70,32 @@ def test_accept_skips_zombies_and_ends_grammars_on_stop_tokens() -> None:
     rows, _, mask = _step(table, reqs, [0, 1, 2])
     fills = table.fill(rows, np.arange(3), np.array([1, 0, 1]), mask)
     assert fills.rows.tolist() == [0, 1]
+
+
+def test_gated_rows_allow_all_until_their_gate_token_is_committed() -> None:
+    """A row whose grammar starts after a token (the end of its reasoning) is not filled and
+    accepts nothing; its tokens count as passed; the gate token opens it (also on the request,
+    so a preempted request comes back ungated); the next fill is the grammar's."""
+    gate = 77
+    table = GrammarRows(4, frozenset({STOP}), WORDS)
+    reqs = [_request(10, gate=gate), _request(11), _request(12, gate=gate)]
+    for p, r in enumerate(reqs):
+        table.assign(p, r)
+    rows, counters, mask = _step(table, reqs, [0, 1, 2])
+    fills = table.fill(rows, np.arange(3), counters, mask)
+    assert fills.rows.tolist() == [1] and fills.gated.tolist() == [0, 2]
+    assert mask.tail.tolist() == [-1, 0, -1] and (mask.bits[0] == -1).all()
+    handles, tokens = table.accept(fills, rows, np.array([gate, 6, STOP], dtype=np.int64))
+    assert handles.tolist() == [11] and tokens.tolist() == [6]  # gated rows reach no matcher
+    assert table.sent.tolist() == [1, 1, 1, 0]
+    assert [r.grammar.start_after for r in reqs] == [None, None, gate]
+    assert not reqs[2].grammar.terminated  # a stop id under the gate does not end the grammar
+    for r in reqs:
+        r.output_token_ids.append(0)
+    rows, counters, mask = _step(table, reqs, [0, 1, 2])
+    fills = table.fill(rows, np.arange(3), counters, mask)
+    assert fills.rows.tolist() == [0, 1] and fills.gated.tolist() == [2]
+    assert fills.handles.tolist() == [10, 11]
 
 
 def test_fill_before_the_last_token_was_handed_on_is_an_error() -> None:

@@ -12,7 +12,8 @@ import jsonschema
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from photon import SamplingParams
+from photon import LLM, SamplingParams
+from photon.reasoning import get_reasoning_parser
 from photon.structured.params import StructuredOutputsParams as SO
 from tests.test_pipeline import Spec, _engine, run
 
@@ -133,3 +134,41 @@ class _CountingBatch:
     def batch_fill_next_token_bitmask(self, handles: list, *args: object) -> None:
         self.rows.append(len(handles))
         self.inner.batch_fill_next_token_bitmask(handles, *args)
+
+
+class _Tags:
+    """A vocabulary in which `</think>` is token `end` (a token the random model samples)."""
+
+    def __init__(self, end: int) -> None:
+        self.ids = {"<think>": 1, "</think>": end}
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.ids[token]
+
+
+def _gated(llm: LLM, end: int) -> LLM:
+    llm.engine.reasoning = get_reasoning_parser("deepseek_r1")(_Tags(end))
+    return llm
+
+
+def test_reasoning_gate_pipelined_equals_blocking() -> None:
+    """Grammars that start after an end-of-reasoning token (masks allow all until it is
+    committed) give the same tokens pipelined and blocking, under preemption and aborts. Until
+    the gate opens a request samples as if it had no grammar (the sampler's draws depend only
+    on its seed and position); after it, its output keeps the grammar."""
+    specs = _specs()
+    kw = dict(block_size=4, max_num_batched_tokens=24, max_num_seqs=6, num_gpu_blocks_override=40,
+              max_model_len=160)
+    never = 1023  # a vocabulary-padding row: not sampled
+    free, _ = run(_gated(_engine(True, **kw), never), specs)
+    assert all(never not in ids for outs in free.values() for ids, _ in outs)
+    end = free["r0"][0][0][5]
+    blocking, _ = run(_gated(_engine(False, **kw), end), specs)
+    engine = _gated(_engine(True, **kw), end)
+    pipelined, _ = run(engine, specs)
+    assert pipelined == blocking
+    assert engine.engine.scheduler.num_preemptions > 0
+    ids, finish = blocking["r0"][0]
+    k = ids.index(end)
+    assert ids[:k + 1] == free["r0"][0][0][:k + 1] and finish == "stop"
+    jsonschema.validate(json.loads(engine.engine.tokenizer.decode(ids[k + 1:])), SCHEMA)

@@ -30,6 +30,7 @@ from photon.engine.pipeline import Pipeline
 from photon.engine.request import Request
 from photon.engine.scheduler import Scheduler
 from photon.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
+from photon.reasoning import ReasoningParser, get_reasoning_parser
 from photon.sampling_params import SamplingParams
 from photon.structured.manager import StructuredOutputManager
 from photon.structured.params import GrammarLimits
@@ -72,6 +73,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.model.model)
+        # --reasoning-parser: the server splits outputs with it; grammars start after its end
+        self.reasoning: ReasoningParser | None = None if config.reasoning_parser is None \
+            else get_reasoning_parser(config.reasoning_parser)(self.tokenizer)
         self.structured = StructuredOutputManager(
             config.structured_outputs_backend, self.tokenizer, config.model.vocab_size,
             config.structured_outputs_timeout, fill_threads=config.structured_outputs_threads,
@@ -145,6 +149,7 @@ class EngineCore:
         # whole request here, and staging it later cannot fail.
         rows = [pack_sampling_row(params, derive_key(seed, i), len(ids), max_tokens, vocab)
                 for i in range(params.n)]
+        gate = self._grammar_gate(ids, params)
         children = []
         for i, row in enumerate(rows):
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
@@ -156,6 +161,7 @@ class EngineCore:
                 req.prompt_logprobs = [None]
             if params.structured_outputs is not None:  # compiles once per spec (cached)
                 req.grammar = self.structured.request_grammar(params.structured_outputs)
+                req.grammar.start_after = gate
             children.append(req)
             self.scheduler.add(req)
         self.parents[request_id] = children
@@ -164,6 +170,14 @@ class EngineCore:
         if delta:
             self._delta[request_id] = _DeltaState([0] * params.n, [False] * params.n)
         return request_id
+
+    def _grammar_gate(self, prompt_ids: list[int], params: SamplingParams) -> int | None:
+        """With a reasoning parser, a grammar starts once the reasoning ended (as vLLM): after
+        the output's end-of-reasoning token, unless the prompt already ended the reasoning."""
+        if params.structured_outputs is None or self.reasoning is None \
+                or self.reasoning.is_reasoning_end(prompt_ids):
+            return None
+        return self.reasoning.end_token_id
 
     def abort(self, request_id: str) -> None:
         children = self.parents.get(request_id, [])

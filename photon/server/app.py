@@ -113,7 +113,7 @@ def _add_utility_routes(app: FastAPI, serving: Serving, metrics: ServerMetrics) 
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in req.tools or ()] or None
-            text = await serving.chat_prompt(req.messages, req.add_generation_prompt, tools)
+            text = await serving.chat_prompt(req, tools)
             ids = await serving.text.encode(text, add_special_tokens=False)
         else:
             ids = await serving.text.encode(req.prompt or "", req.add_special_tokens)

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from photon.engine.async_engine import EngineDeadError
 from photon.outputs import SampleLogprobs
+from photon.reasoning import ReasoningSplitter
 from photon.server.errors import bad_request, error_body
 from photon.server.openai_serving import (
     ChoiceState,
@@ -54,7 +55,7 @@ class ChatHandler:
             params.structured_outputs = tools.structured
             await precompile(s.core, tools.structured, "tools")
         s.check_num_prompts(1, params.n)
-        text = await s.chat_prompt(req.messages, req.add_generation_prompt, tools.template_tools)
+        text = await s.chat_prompt(req, tools.template_tools)
         ids = await s.encode(text, "messages", add_special_tokens=False)
         s.check_prompt(ids, params, "messages")
         run = await s.start([ids], params, "chatcmpl")
@@ -72,6 +73,8 @@ class _ChatCtx:
         self.created = int(time.time())
         self.model = serving.config.served_model_name
         self.num_prompt_tokens = num_prompt_tokens
+        self.reasoning = serving.core.reasoning  # --reasoning-parser, or None
+        self.splitters: dict[int, ReasoningSplitter] = {}  # streaming: per choice
 
     def _token(self, tid: int, lp: float) -> dict[str, Any]:
         text = self.serving.core.tokenizer.decode([tid], skip_special_tokens=False)
@@ -106,12 +109,25 @@ class _ChatCtx:
         choices = []
         for idx in range(self.req.n):
             st = states.get(idx, ChoiceState())
-            message, finish = self.tools.reply(st.text, st.finish_reason)
+            message, finish = self._message(st.text, st.finish_reason)
             choices.append({"index": idx, "message": message,
                             "logprobs": self._logprobs(st.token_ids or [], st.logprobs),
                             "finish_reason": finish, "stop_reason": st.stop_reason})
         completion = sum(st.num_tokens for st in states.values())
         return self._body("chat.completion", choices, usage(self.num_prompt_tokens, completion))
+
+    def _message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """The assistant message and finish_reason of a finished choice. With a reasoning parser
+        the think block goes to `reasoning_content` (and vLLM's newer `reasoning`); tool calls
+        are read from the rest, the content, as vLLM does."""
+        if self.reasoning is None:
+            return self.tools.reply(text, finish)
+        split = self.reasoning.split(text)
+        message, finish = self.tools.reply(split.content, finish)
+        if split.reasoning is not None:
+            message["content"] = message["content"] or None
+            message["reasoning_content"] = message["reasoning"] = split.reasoning
+        return message, finish
 
     def _chunk(self, idx: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
                finish: str | None = None, stop_reason: int | str | None = None) -> str:
@@ -119,13 +135,24 @@ class _ChatCtx:
                   "stop_reason": stop_reason}
         return sse_event(self._body("chat.completion.chunk", [choice], None))
 
-    def _delta(self, stream: ToolCallStream | None, text: str, finish: str | None
+    def _delta(self, idx: int, stream: ToolCallStream | None, text: str, finish: str | None
                ) -> tuple[dict[str, Any], str | None]:
-        """A choice's delta message for its new text, and the chunk's finish_reason."""
+        """A choice's delta message for its new text, and the chunk's finish_reason: the same
+        split as `_message`, piece by piece (reasoning first, then tool calls in the content)."""
+        delta: dict[str, Any] = {}
+        if self.reasoning is not None:
+            splitter = self.splitters.setdefault(idx, self.reasoning.splitter())
+            piece = splitter.feed(text, finish is not None)
+            if piece.reasoning:
+                delta["reasoning_content"] = delta["reasoning"] = piece.reasoning
+            text = piece.content
         if stream is None:
-            return ({"content": text} if text else {}), finish
+            if text:
+                delta["content"] = text
+            return delta, finish
         news = stream.feed(self.tools.output_text(text, finish), final=finish is not None)
-        delta: dict[str, Any] = {"content": news.content} if news.content else {}
+        if news.content:
+            delta["content"] = news.content
         if news.tool_calls:
             delta["tool_calls"] = news.tool_calls
         return delta, self.tools.finish_reason(finish, stream.called)
@@ -139,7 +166,7 @@ class _ChatCtx:
             async for tag, out in run.outputs():
                 for idx, c in choice_updates(tag, out, self.req.n):
                     completion += len(c.token_ids)
-                    delta, finish = self._delta(streams[idx], c.text, c.finish_reason)
+                    delta, finish = self._delta(idx, streams[idx], c.text, c.finish_reason)
                     yield self._chunk(idx, delta, self._logprobs(c.token_ids, c.logprobs),
                                       finish, c.stop_reason)
             opts = self.req.stream_options

@@ -32,6 +32,9 @@ def add_serve(sub: Any) -> None:
     p.add_argument("--allowed-origins", nargs="*", default=None,
                    help="Enable CORS for these origins (default: CORS off).")
     p.add_argument("--log-level", default="info", help="uvicorn log level.")
+    p.add_argument("--chat-template", default=None, metavar="PATH|TEMPLATE",
+                   help="The chat template for /v1/chat/completions: a Jinja file's path or the "
+                        "template itself (default: the model's own).")
     _add_tool_args(p)
     add_engine_args(p)
     p.set_defaults(func=run_serve)
@@ -61,6 +64,7 @@ def _check_tool_args(ns: argparse.Namespace) -> None:
 
 def server_config(ns: argparse.Namespace, served_model_name: str, max_model_len: int) -> Any:
     from photon.server.openai_serving import ServerConfig
+    from photon.tokenizer import resolve_chat_template
 
     for name in ("max_queued_requests", "max_prompts_per_request", "max_request_body_bytes"):
         if getattr(ns, name) < 1:
@@ -73,7 +77,9 @@ def server_config(ns: argparse.Namespace, served_model_name: str, max_model_len:
                         max_request_body_bytes=ns.max_request_body_bytes,
                         allowed_origins=tuple(ns.allowed_origins or ()),
                         enable_auto_tool_choice=ns.enable_auto_tool_choice,
-                        tool_call_parser=ns.tool_call_parser)
+                        tool_call_parser=ns.tool_call_parser,
+                        chat_template=None if ns.chat_template is None
+                        else resolve_chat_template(ns.chat_template))
 
 
 def run_serve(ns: argparse.Namespace) -> int:

@@ -22,12 +22,20 @@ from photon.outputs import Logprob, RequestOutput, SampleLogprobs
 from photon.sampling_params import SamplingParams
 from photon.server.admission import Admission, Ticket
 from photon.server.errors import APIError, bad_request, invalid_value
-from photon.server.protocol import ChatMessage, _SamplingFields
+from photon.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    TokenizeRequest,
+    _SamplingFields,
+)
 from photon.server.structured import precompile, structured_params
 from photon.server.tokenization import PromptTokenizer
 from photon.server.tools import template_messages
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON
+# Chat-template variables set from request fields, not from chat_template_kwargs.
+_RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "chat_template",
+                                     "continue_final_message", "tools"})
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     tool_call_parser: str | None = None  # a name in photon.server.tool_parsers
+    chat_template: str | None = None  # --chat-template (its text); None: the model's own
 
 
 class Run:
@@ -164,18 +173,30 @@ class Serving:
         except ValueError as e:
             raise bad_request(str(e), "max_tokens") from None
 
-    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+    async def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest,
                           tools: list[dict[str, Any]] | None = None) -> str:
-        """The chat template's text, rendered in a worker thread (it may be long)."""
-        return await asyncio.to_thread(self._render_chat, messages, add_generation_prompt, tools)
+        """The chat template's text for `req.messages` (and `tools`), rendered in a worker thread
+        (it may be long), with the request's chat controls."""
+        if req.continue_final_message and req.add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be "
+                              "true; set add_generation_prompt to false to continue the final "
+                              "message", "continue_final_message")
+        return await asyncio.to_thread(self._render_chat, req, tools)
 
-    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+    def _render_chat(self, req: ChatCompletionRequest | TokenizeRequest,
                      tools: list[dict[str, Any]] | None) -> str:
         msgs = template_messages([{**m.model_dump(exclude_none=True, exclude={"content"}),
-                                   "content": _message_text(m)} for m in messages])
+                                   "content": _message_text(m)} for m in req.messages or []])
+        kwargs = req.chat_template_kwargs or {}
+        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_VARS)
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}; use the "
+                              f"request fields of those names", "chat_template_kwargs")
         try:
             return self.core.tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt, tools=tools)
+                msgs, add_generation_prompt=req.add_generation_prompt,
+                chat_template=self.config.chat_template,
+                continue_final_message=req.continue_final_message, tools=tools, **kwargs)
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault

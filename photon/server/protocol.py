@@ -211,6 +211,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
     parallel_tool_calls: bool = True  # False: at most one call
+    continue_final_message: bool = False
+    chat_template_kwargs: JsonObject | None = None
 
 
 class TokenizeRequest(_Request):
@@ -220,6 +222,8 @@ class TokenizeRequest(_Request):
     tools: list[ChatTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: JsonObject | None = None
 
 
 class DetokenizeRequest(_Request):
@@ -305,6 +309,8 @@ class ChatResponseMessage(BaseModel):
     role: str
     content: str | None = None
     tool_calls: list[ResponseToolCall] | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the think block's text
+    reasoning: str | None = None  # the same text under vLLM's newer name
 
 
 class ChatChoice(BaseModel):

@@ -245,6 +245,10 @@ class RequestGrammar:
         self.deadline = deadline
         self.handle: int | None = None  # the executor's matcher handle, once compiled
         self.terminated = False  # its stop token was committed: no more tokens
+        # Reasoning gate: the grammar starts after this token (the end of the reasoning) is
+        # committed; until then masks allow all and the matcher sees nothing. None: no gate
+        # (never set, or the token came). Owned by GrammarRows once the request runs.
+        self.start_after: int | None = None
         self._pinned = True  # its cache entry stays until its matcher is open (or it ends)
 
     def poll(self) -> bool:

@@ -1,8 +1,12 @@
 """Which rows of a step a grammar job touches, in numpy on the engine thread.
 
-`GrammarRows` (owned by the model runner, like `RowState`) keeps two columns per token-pool row:
-the matcher handle of the row's request (-1: no grammar, or a grammar that ended) and how many of
-its committed outputs were handed to that matcher. A step with grammar rows gets a `StepFills`
+`GrammarRows` (owned by the model runner, like `RowState`) keeps three columns per token-pool row:
+the matcher handle of the row's request (-1: no grammar, or a grammar that ended), how many of
+its committed outputs were handed to that matcher (or passed its gate), and its gate: the token
+after which its grammar starts (-1: none; `RequestGrammar.start_after`, the end of a reasoning
+block). A gated row is not filled (its mask allows all) and its tokens reach no matcher; its
+sampled tokens are compared with the gate at commit, and the gate opens (-1) on a match, so the
+next step's mask is the grammar's first. A step with grammar rows gets a `StepFills`
 when its masks are built (`fill`): which sampling rows its grammar job fills, from which matcher.
 The same rows, less those finalized meanwhile (zombies), are the matchers that accept the step's
 tokens at its commit (`accept`): a row filled for step t samples under that mask, so its token is
@@ -16,7 +20,7 @@ its `out_index` was handed to its matcher.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,12 +40,16 @@ class StepFills:
     rows: np.ndarray  # [F] int64: index j of the sampling row (mask row, token index)
     handles: np.ndarray  # [F] int64: its matcher
     pool_rows: np.ndarray  # [F] int64: its token-pool row
+    gated: np.ndarray = field(default_factory=lambda: _EMPTY)  # [G] int64: sampling rows whose
+    # grammar waits for its gate
+    gated_pool_rows: np.ndarray = field(default_factory=lambda: _EMPTY)  # [G]: their pool rows
 
 
 class GrammarRows:
     def __init__(self, num_rows: int, stop_token_ids: frozenset[int], mask_words: int) -> None:
         self.handle = np.full(num_rows, NO_GRAMMAR, dtype=np.int64)
         self.sent = np.zeros(num_rows, dtype=np.int64)
+        self.gate = np.full(num_rows, NO_GRAMMAR, dtype=np.int64)
         self.stops = np.array(sorted(stop_token_ids), dtype=np.int64)
         self.views = MaskViews(mask_words)  # a step's masks over the host and device buffers
 
@@ -52,6 +60,8 @@ class GrammarRows:
         assert grammar is None or grammar.handle is not None, "grammar row scheduled before ready"
         self.handle[pool_row] = NO_GRAMMAR if grammar is None else grammar.handle
         self.sent[pool_row] = len(req.output_token_ids)
+        gate = None if grammar is None else grammar.start_after
+        self.gate[pool_row] = NO_GRAMMAR if gate is None else gate
 
     def fill(self, srows: list[ScheduledRow], pool_rows: np.ndarray, counters: np.ndarray,
              mask: TokenMask) -> StepFills:
@@ -60,12 +70,16 @@ class GrammarRows:
         tail is 0 (ids past the backend's words are not allowed)."""
         handles = self.handle[pool_rows]
         cand = np.flatnonzero(handles >= 0)
-        live = np.fromiter((not srows[j].request.finalized for j in cand.tolist()), dtype=bool,
-                           count=cand.size)
-        rows = cand[live]
-        fills = StepFills(rows, handles[rows], pool_rows[rows])
-        assert np.array_equal(self.sent[fills.pool_rows], counters[rows]), \
+        rows = cand[_live(cand, srows)]
+        assert np.array_equal(self.sent[pool_rows[rows]], counters[rows]), \
             "grammar mask built before the previous token was committed"
+        gated = self.gate[pool_rows[rows]] >= 0
+        if gated.any():
+            rows, gated_rows = rows[~gated], rows[gated]
+        else:
+            gated_rows = _EMPTY
+        fills = StepFills(rows, handles[rows], pool_rows[rows], gated_rows,
+                          pool_rows[gated_rows])
         bits, tail = mask.host_arrays()
         tail.fill(ALLOW_ALL)
         if rows.size < len(srows):
@@ -81,10 +95,11 @@ class GrammarRows:
         sampling row j's token. A stop token ends its grammar here (a matcher accepts one only
         where its grammar may end, and is terminated exactly then), so the scheduler finishes
         the request in this commit without waiting for the accept."""
+        if fills.gated.size:
+            self._pass_gates(fills, srows, tokens)
         if not fills.rows.size:
             return _EMPTY, _EMPTY
-        live = np.fromiter((not srows[j].request.finalized for j in fills.rows.tolist()),
-                           dtype=bool, count=fills.rows.size)
+        live = _live(fills.rows, srows)
         rows, pool_rows = fills.rows[live], fills.pool_rows[live]
         toks = tokens[rows]  # fancy indexing copies: the slot's buffer is reused at t+2
         self.sent[pool_rows] += 1
@@ -93,3 +108,20 @@ class GrammarRows:
             srows[int(rows[k])].request.grammar.terminated = True
             self.handle[pool_rows[k]] = NO_GRAMMAR
         return fills.handles[live], toks
+
+    def _pass_gates(self, fills: StepFills, srows: list[ScheduledRow], tokens: np.ndarray
+                    ) -> None:
+        """Gated rows' tokens at commit: counted as passed, and a gate token opens the gate (the
+        grammar fills the row's next mask)."""
+        live = _live(fills.gated, srows)
+        rows, pool_rows = fills.gated[live], fills.gated_pool_rows[live]
+        self.sent[pool_rows] += 1
+        for k in np.flatnonzero(tokens[rows] == self.gate[pool_rows]).tolist():
+            self.gate[pool_rows[k]] = NO_GRAMMAR
+            srows[int(rows[k])].request.grammar.start_after = None
+
+
+def _live(rows: np.ndarray, srows: list[ScheduledRow]) -> np.ndarray:
+    """Which of the sampling `rows` belong to requests not finalized (zombies are skipped)."""
+    return np.fromiter((not srows[j].request.finalized for j in rows.tolist()), dtype=bool,
+                       count=rows.size)

@@ -66,6 +66,8 @@ def test_no_hidden_sync_in_the_loop(sync_debug_error: list[int]) -> None:
                        frequency_penalty=0.5, repetition_penalty=1.2, min_tokens=5,
                        logprobs=3, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=40, stop=["e"], n=2),
+        SamplingParams(temperature=0.7, seed=5, max_tokens=40, ignore_eos=True,
+                       logit_bias={7: 5.0, 300: -100.0}, prompt_logprobs=2, logprobs=0),
     ] * 3
     prompts = [f"Request number {i}: " + "lorem ipsum " * (i + 3) for i in range(len(params))]
     for p, sp in zip(prompts, params):
