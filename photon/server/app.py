@@ -102,8 +102,8 @@ def _add_utility_routes(app: FastAPI, serving: Serving, metrics: ServerMetrics) 
         return {"status": "ok"}
 
     # /ping is /health under SageMaker's name, for GET and POST (as vLLM).
-    for path, methods in (("/health", ["GET"]), ("/ping", ["GET", "POST"])):
-        app.add_api_route(path, health, methods=methods, response_model=HealthResponse,
+    for path, method in (("/health", "GET"), ("/ping", "GET"), ("/ping", "POST")):
+        app.add_api_route(path, health, methods=[method], response_model=HealthResponse,
                           responses={503: {"model": ErrorResponse}})
 
     @app.get("/version", response_model=VersionResponse)
