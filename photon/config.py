@@ -117,16 +117,6 @@ class EngineArgs:
         "A local Hugging Face model directory or a Hugging Face hub id (e.g. Qwen/Qwen3-0.6B: "
         "downloaded, or read from the cache when offline). Default: the built-in photon-tiny "
         "(random weights)."))
-    revision: str | None = field(default=None, metadata=_help(
-        "The hub model's branch, tag or commit. Default: main."))
-    download_dir: str | None = field(default=None, metadata=_help(
-        "Hugging Face cache directory for hub models. Default: huggingface_hub's cache "
-        "($HF_HUB_CACHE, else ~/.cache/huggingface/hub)."))
-    generation_config: str = field(default="auto", metadata=_help(
-        "Default sampling parameters for what a request leaves unset: auto = the model's "
-        "generation_config.json (temperature, top_k, top_p, min_p, repetition_penalty, "
-        "max_new_tokens), vllm = photon's own defaults, or a folder holding a "
-        "generation_config.json."))
     dtype: str = field(default="auto", metadata=_help(
         "Weights/activations dtype. auto = float32 on CPU, the checkpoint's dtype (bfloat16 if "
         "float32) on CUDA.", ("auto", *_DTYPES)))
@@ -154,10 +144,20 @@ class EngineArgs:
     attention_backend: str = field(default="auto", metadata=_help(
         "Attention backend: auto (default: triton on CUDA, torch on CPU), torch or triton."))
     served_model_name: str | None = field(default=None, metadata=_help(
-        "Model name reported by the API. Default: the model directory's name."))
+        "Model name reported by the API. Default: the hub id, or the model directory's name."))
     load_format: str = field(default="auto", metadata=_help(
         "auto: read *.safetensors; dummy: random weights of the model's shape (benchmarks).",
         _LOAD_FORMATS))
+    revision: str | None = field(default=None, metadata=_help(
+        "The hub model's branch, tag or commit. Default: main."))
+    download_dir: str | None = field(default=None, metadata=_help(
+        "Hugging Face cache directory for hub models. Default: huggingface_hub's cache "
+        "($HF_HUB_CACHE, else ~/.cache/huggingface/hub)."))
+    generation_config: str = field(default="auto", metadata=_help(
+        "Default sampling parameters for what a request leaves unset: auto = the model's "
+        "generation_config.json (temperature, top_k, top_p, min_p, repetition_penalty, "
+        "max_new_tokens), vllm = photon's own defaults, or a folder holding a "
+        "generation_config.json."))
     structured_outputs_backend: str = field(default="xgrammar", metadata=_help(
         "Library that makes outputs follow a request's JSON schema, regex, choice list or "
         "grammar.", ("xgrammar",)))
