@@ -12,11 +12,10 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any
 
-from photon.cli import SAMPLING_FLAGS, add_engine_args, engine_args_from
+from photon.cli import SAMPLING_FLAGS, add_engine_args, engine_args_from, print_model_notices
 
 # JSON has no -Infinity: a token the model gives probability 0 is reported with this logprob.
 MIN_LOGPROB = -9999.0
@@ -75,16 +74,13 @@ def _prompts(ns: argparse.Namespace, tokenizer: Any) -> list[Prompt]:
 
 def run_generate(ns: argparse.Namespace) -> int:
     from photon.llm import LLM
-    from photon.model.tiny import is_random_weights
 
     # Bad sampling flags fail before the model loads (max_tokens may come from the model).
     _sampling_params(ns, {"max_tokens": None})
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     defaults = llm.config.model.generation_defaults
     params = _sampling_params(ns, defaults.as_kwargs() if defaults else {})
-    if is_random_weights(llm.config.model.model):
-        print(f"[{llm.config.model.served_model_name}: RANDOM WEIGHTS - the text is meaningless]",
-              file=sys.stderr)
+    print_model_notices(llm.config.model)
     tokenizer = llm.get_tokenizer()
     prompts = _prompts(ns, tokenizer)
     inputs = [p.token_ids if p.token_ids is not None else p.seen for p in prompts]

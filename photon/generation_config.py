@@ -42,6 +42,12 @@ class GenerationDefaults:
         """The fields the model sets, as SamplingParams keyword arguments."""
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
+    def notice(self, name: str) -> str | None:
+        """A startup line saying which defaults apply (as vLLM logs it); None when none do."""
+        given = ", ".join(f"{k}={v}" for k, v in self.as_kwargs().items())
+        return (f"[{name}: default sampling parameters from generation_config.json: {given} "
+                f"(--generation-config vllm ignores them)]" if given else None)
+
 
 def load_generation_defaults(setting: str, model_dir: str) -> GenerationDefaults:
     """`setting` is `--generation-config`: auto, vllm or a folder with generation_config.json."""

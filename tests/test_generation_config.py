@@ -101,6 +101,9 @@ def generated(capsys: pytest.CaptureFixture[str], *args: str) -> list[int]:
 def test_cli_generate_flags_win_over_model_defaults(tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     model = str(model_with(tmp_path, "model", temperature=0.0, max_new_tokens=3))
+    main(["generate", "--no-progress", "--max-model-len", "64", "--model", model, "hello"])
+    assert "[model: default sampling parameters from generation_config.json: temperature=0.0, " \
+           "max_tokens=3 (--generation-config vllm ignores them)]" in capsys.readouterr().err
     greedy = generated(capsys, "--model", model)
     assert len(greedy) == 3
     assert generated(capsys, "--model", model, "--temperature", "0") == greedy

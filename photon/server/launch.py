@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any
 
 DEFAULT_MAX_BODY = 16 * 1024 * 1024
@@ -67,18 +66,15 @@ def with_model_tag(ns: argparse.Namespace) -> argparse.Namespace:
 def run_serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
-    from photon.cli import engine_args_from
+    from photon.cli import engine_args_from, print_model_notices
     from photon.engine.async_engine import AsyncEngine
     from photon.engine.engine_core import EngineCore
-    from photon.model.tiny import is_random_weights
     from photon.server.app import build_app
 
     config = engine_args_from(with_model_tag(ns)).create_config()
     model = config.model
     scfg = server_config(ns, model.served_model_name, model.max_model_len)
-    if is_random_weights(model.model):
-        print(f"[{model.served_model_name}: RANDOM WEIGHTS - the text is meaningless]",
-              file=sys.stderr)
+    print_model_notices(model)
     engine = AsyncEngine(EngineCore(config))
     engine.engine.structured.start()  # the grammar worker boots now, not with the first grammar
     try:
