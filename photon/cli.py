@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from photon.config import ConfigError, EngineArgs
+from photon.config import ConfigError, EngineArgs, ModelConfig
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -97,6 +97,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.field_names()})
+
+
+def print_model_notices(model: ModelConfig) -> None:
+    """Startup lines on stderr: random weights (photon-tiny), the model's default sampling
+    parameters (its generation_config.json)."""
+    from photon.model.tiny import is_random_weights
+
+    if is_random_weights(model.model):
+        print(f"[{model.served_model_name}: RANDOM WEIGHTS - the text is meaningless]",
+              file=sys.stderr)
+    notice = model.generation_defaults.notice(model.served_model_name) \
+        if model.generation_defaults else None
+    if notice:
+        print(notice, file=sys.stderr)
 
 
 def _add_generate(sub: Any) -> None:

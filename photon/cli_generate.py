@@ -12,11 +12,10 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any
 
-from photon.cli import SAMPLING_FLAGS, add_engine_args, engine_args_from
+from photon.cli import SAMPLING_FLAGS, add_engine_args, engine_args_from, print_model_notices
 from photon.outputs import Logprob
 
 # JSON has no -Infinity: a token the model gives probability 0 is reported with this logprob.
@@ -25,7 +24,9 @@ MIN_LOGPROB = -9999.0
 
 def add_generate(sub: Any) -> None:
     p = sub.add_parser("generate", help="Generate completions for prompts and print them.",
-                       description="Generate completions for the given prompts (offline batch).")
+                       description="Generate completions for the given prompts (offline batch). "
+                                   "Sampling flags not given take the model's defaults from its "
+                                   "generation_config.json (see --generation-config).")
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="Prompt text(s).")
     for name, (kind, help_text) in SAMPLING_FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
@@ -50,14 +51,15 @@ class Prompt:
     token_ids: list[int] | None = None  # set for chat prompts (tokenized without special tokens)
 
 
-def _sampling_params(ns: argparse.Namespace) -> Any:
+def _sampling_params(ns: argparse.Namespace, defaults: dict[str, Any]) -> Any:
+    """The flags given, over `defaults` (the model's generation_config.json defaults)."""
     from photon.sampling_params import SamplingParams
 
     kwargs = {name: getattr(ns, name) for name in SAMPLING_FLAGS if getattr(ns, name) is not None}
     if "sampling_seed" in kwargs:
         kwargs["seed"] = kwargs.pop("sampling_seed")
     return SamplingParams(stop=ns.stop, stop_token_ids=ns.stop_token_ids,
-                          ignore_eos=ns.ignore_eos, **kwargs)
+                          ignore_eos=ns.ignore_eos, **{**defaults, **kwargs})
 
 
 def _prompts(ns: argparse.Namespace, tokenizer: Any) -> list[Prompt]:
@@ -73,13 +75,13 @@ def _prompts(ns: argparse.Namespace, tokenizer: Any) -> list[Prompt]:
 
 def run_generate(ns: argparse.Namespace) -> int:
     from photon.llm import LLM
-    from photon.model.tiny import is_random_weights
 
-    params = _sampling_params(ns)
+    # Bad sampling flags fail before the model loads (max_tokens may come from the model).
+    _sampling_params(ns, {"max_tokens": None})
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
-    if is_random_weights(llm.config.model.model):
-        print(f"[{llm.config.model.served_model_name}: RANDOM WEIGHTS - the text is meaningless]",
-              file=sys.stderr)
+    defaults = llm.config.model.generation_defaults
+    params = _sampling_params(ns, defaults.as_kwargs() if defaults else {})
+    print_model_notices(llm.config.model)
     tokenizer = llm.get_tokenizer()
     prompts = _prompts(ns, tokenizer)
     inputs = [p.token_ids if p.token_ids is not None else p.seen for p in prompts]

@@ -10,11 +10,14 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from photon.reasoning import get_reasoning_parser, reasoning_parser_names
+
+if TYPE_CHECKING:
+    from photon.generation_config import GenerationDefaults
 
 _DTYPES = {
     "float32": torch.float32,
@@ -31,7 +34,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str  # local directory of a Hugging Face model
+    model: str  # local directory of a Hugging Face model (a hub id's snapshot directory)
     hf_config: dict[str, Any]
     architecture: str
     dtype: torch.dtype
@@ -40,6 +43,8 @@ class ModelConfig:
     seed: int
     served_model_name: str
     load_format: str = "auto"
+    # The model's default sampling parameters (--generation-config); None: photon's own defaults.
+    generation_defaults: GenerationDefaults | None = None
 
     @property
     def num_layers(self) -> int:
@@ -112,7 +117,9 @@ class EngineArgs:
     """Engine arguments, named as in vLLM. Every field is also a CLI flag (`--max-model-len`)."""
 
     model: str | None = field(default=None, metadata=_help(
-        "Local Hugging Face model directory. Default: the built-in photon-tiny (random weights)."))
+        "A local Hugging Face model directory or a Hugging Face hub id (e.g. Qwen/Qwen3-0.6B: "
+        "downloaded, or read from the cache when offline). Default: the built-in photon-tiny "
+        "(random weights)."))
     dtype: str = field(default="auto", metadata=_help(
         "Weights/activations dtype. auto = float32 on CPU, the checkpoint's dtype (bfloat16 if "
         "float32) on CUDA.", ("auto", *_DTYPES)))
@@ -140,10 +147,20 @@ class EngineArgs:
     attention_backend: str = field(default="auto", metadata=_help(
         "Attention backend: auto (default: triton on CUDA, torch on CPU), torch or triton."))
     served_model_name: str | None = field(default=None, metadata=_help(
-        "Model name reported by the API. Default: the model directory's name."))
+        "Model name reported by the API. Default: the hub id, or the model directory's name."))
     load_format: str = field(default="auto", metadata=_help(
         "auto: read *.safetensors; dummy: random weights of the model's shape (benchmarks).",
         _LOAD_FORMATS))
+    revision: str | None = field(default=None, metadata=_help(
+        "The hub model's branch, tag or commit. Default: main."))
+    download_dir: str | None = field(default=None, metadata=_help(
+        "Hugging Face cache directory for hub models. Default: huggingface_hub's cache "
+        "($HF_HUB_CACHE, else ~/.cache/huggingface/hub)."))
+    generation_config: str = field(default="auto", metadata=_help(
+        "Default sampling parameters for what a request leaves unset: auto = the model's "
+        "generation_config.json (temperature, top_k, top_p, min_p, repetition_penalty, "
+        "max_new_tokens), vllm = photon's own defaults, or a folder holding a "
+        "generation_config.json."))
     structured_outputs_backend: str = field(default="xgrammar", metadata=_help(
         "Library that makes outputs follow a request's JSON schema, regex, choice list or "
         "grammar.", ("xgrammar",)))
@@ -177,9 +194,10 @@ class EngineArgs:
         tuple(reasoning_parser_names())))
 
     def create_config(self) -> EngineConfig:
+        from photon.generation_config import load_generation_defaults
         from photon.model.tiny import resolve_model_path
 
-        model_dir = resolve_model_path(self.model)
+        model_dir = resolve_model_path(self.model, self.revision, self.download_dir)
         hf_config = load_hf_config(model_dir)
         architecture = _architecture(hf_config)
         _check_required_fields(hf_config, model_dir)
@@ -194,6 +212,7 @@ class EngineArgs:
             seed=self.seed,
             served_model_name=self.served_model_name or _default_name(self.model, model_dir),
             load_format=_check_choice("load_format", self.load_format, _LOAD_FORMATS),
+            generation_defaults=load_generation_defaults(self.generation_config, model_dir),
         )
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -264,7 +283,10 @@ def check_kv_capacity(usable_blocks: int, block_size: int, max_model_len: int,
 def _default_name(model: str | None, model_dir: str) -> str:
     from photon.model.tiny import PHOTON_TINY
 
-    return PHOTON_TINY if model in (None, PHOTON_TINY) else os.path.basename(model_dir.rstrip("/"))
+    if model in (None, PHOTON_TINY):
+        return PHOTON_TINY
+    # A local directory is named by its folder, a hub id by itself (its snapshot folder is a hash).
+    return os.path.basename(model_dir.rstrip("/")) if os.path.isdir(model) else model
 
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:

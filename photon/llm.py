@@ -34,6 +34,13 @@ class LLM:
     def get_tokenizer(self):  # noqa: ANN201 - photon.tokenizer.Tokenizer
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no SamplingParams: the model's generation_config.json
+        defaults (`generation_config`), else SamplingParams(). Given SamplingParams are used
+        as they are, as in vLLM."""
+        defaults = self.config.model.generation_defaults
+        return SamplingParams(**(defaults.as_kwargs() if defaults else {}))
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -41,7 +48,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        params = _as_params_list(sampling_params if sampling_params is not None
+                                 else self.get_default_sampling_params(), len(prompts))
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
@@ -163,10 +171,8 @@ def _as_conversations(messages: Conversation | Sequence[Conversation]) -> list[C
                      "or a list of such lists (one per conversation), none empty")
 
 
-def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None,
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams],
                     n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

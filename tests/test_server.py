@@ -49,6 +49,17 @@ def test_models_and_health(client: openai.OpenAI, server: LiveServer) -> None:
     assert httpx.get(server.base_url + "/health").status_code == 200  # no key needed
 
 
+def test_version_and_ping(server: LiveServer) -> None:
+    """vLLM's /version, and /ping (SageMaker's health check) for GET and POST; no key needed."""
+    import photon
+
+    r = httpx.get(server.base_url + "/version")
+    assert r.status_code == 200 and r.json() == {"version": photon.__version__}
+    for method in ("GET", "POST"):
+        r = httpx.request(method, server.base_url + "/ping")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
 def test_completion(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0,
                                   extra_body={"ignore_eos": True})
@@ -200,5 +211,7 @@ def test_engine_death_gives_503_health() -> None:
         r = httpx.post(s.api_url + "/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
         assert httpx.get(s.base_url + "/health").status_code == 503
+        assert httpx.get(s.base_url + "/ping").status_code == 503
+        assert httpx.post(s.base_url + "/ping").status_code == 503
         r = httpx.post(s.api_url + "/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 500

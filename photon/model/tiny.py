@@ -121,11 +121,17 @@ Here is the answer: first, compute the sum; second, divide by the count; finally
 """
 
 
-def resolve_model_path(model: str | None) -> str:
-    """Map the `--model` argument to an absolute model directory (creating photon-tiny if asked)."""
+def resolve_model_path(model: str | None, revision: str | None = None,
+                       download_dir: str | None = None) -> str:
+    """Map the `--model` argument to an absolute model directory: photon-tiny (created if need
+    be), a local directory, or else a Hugging Face hub id (downloaded or taken from the cache)."""
+    from photon.model.hub import download_model, is_repo_id
+
     if model is None or model == PHOTON_TINY:
         return ensure_photon_tiny()
     if not os.path.isdir(model):
+        if is_repo_id(model):
+            return download_model(model, revision, download_dir)
         raise ConfigError(f"model directory {model!r} does not exist")
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ConfigError(f"model directory {model!r} has no config.json")

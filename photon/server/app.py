@@ -12,6 +12,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from photon import __version__
 from photon.engine.async_engine import AsyncEngine
 from photon.server.chat import ChatHandler
 from photon.server.completions import CompletionHandler
@@ -31,6 +32,7 @@ from photon.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    VersionResponse,
 )
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -48,7 +50,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(config.served_model_name)
     engine.observer = metrics
     engine.start()
-    app = FastAPI(title="photon", version="0.1.0")
+    app = FastAPI(title="photon", version=__version__)
     app.state.engine, app.state.config, app.state.metrics = engine, config, metrics
     install_handlers(app)
     _add_middleware(app, config)
@@ -93,12 +95,20 @@ def _add_openai_routes(app: FastAPI, serving: Serving) -> None:
 
 
 def _add_utility_routes(app: FastAPI, serving: Serving, metrics: ServerMetrics) -> None:
-    @app.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
     async def health() -> Any:
         if not serving.engine.healthy:
             return error_response(503, f"the engine has stopped: {serving.engine.error!r}",
                                   code="engine_dead")
         return {"status": "ok"}
+
+    # /ping is /health under SageMaker's name, for GET and POST (as vLLM).
+    for path, method in (("/health", "GET"), ("/ping", "GET"), ("/ping", "POST")):
+        app.add_api_route(path, health, methods=[method], response_model=HealthResponse,
+                          responses={503: {"model": ErrorResponse}})
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any
 
 DEFAULT_MAX_BODY = 16 * 1024 * 1024
@@ -15,6 +14,9 @@ def add_serve(sub: Any) -> None:
 
     p = sub.add_parser("serve", allow_abbrev=False, help="Run the OpenAI-compatible HTTP server.",
                        description="Serve the model over an OpenAI-compatible HTTP API.")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="The model to serve, as vLLM's `vllm serve MODEL`: a local directory or a "
+                        "Hugging Face hub id (the same as --model).")
     p.add_argument("--host", default="127.0.0.1",
                    help="Address to bind (default 127.0.0.1: local only).")
     p.add_argument("--port", type=int, default=8000, help="Port (default 8000; 0 = any free).")
@@ -82,21 +84,29 @@ def server_config(ns: argparse.Namespace, served_model_name: str, max_model_len:
                         else resolve_chat_template(ns.chat_template))
 
 
+def with_model_tag(ns: argparse.Namespace) -> argparse.Namespace:
+    """The positional MODEL is the model; given with a different --model, which one is meant
+    is unclear, so that is an error rather than one of them silently ignored."""
+    if ns.model_tag is None:
+        return ns
+    if ns.model is not None and ns.model != ns.model_tag:
+        raise ValueError(f"the model is given twice, as MODEL {ns.model_tag!r} and as --model "
+                         f"{ns.model!r}; give it once")
+    return argparse.Namespace(**{**vars(ns), "model": ns.model_tag})
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
-    from photon.cli import engine_args_from
+    from photon.cli import engine_args_from, print_model_notices
     from photon.engine.async_engine import AsyncEngine
     from photon.engine.engine_core import EngineCore
-    from photon.model.tiny import is_random_weights
     from photon.server.app import build_app
 
-    config = engine_args_from(ns).create_config()
+    config = engine_args_from(with_model_tag(ns)).create_config()
     model = config.model
     scfg = server_config(ns, model.served_model_name, model.max_model_len)
-    if is_random_weights(model.model):
-        print(f"[{model.served_model_name}: RANDOM WEIGHTS - the text is meaningless]",
-              file=sys.stderr)
+    print_model_notices(model)
     engine = AsyncEngine(EngineCore(config))
     engine.engine.structured.start()  # the grammar worker boots now, not with the first grammar
     try:

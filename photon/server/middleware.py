@@ -10,7 +10,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from photon.server.errors import error_body
 
-PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 
 
 async def _send_json(send: Send, status: int, body: dict[str, Any],

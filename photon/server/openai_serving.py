@@ -21,6 +21,7 @@ from photon.engine.async_engine import AsyncEngine, RequestSink
 from photon.outputs import Logprob, RequestOutput, SampleLogprobs
 from photon.sampling_params import SamplingParams
 from photon.server.admission import Admission, Ticket
+from photon.server.defaults import unset_defaults
 from photon.server.errors import APIError, bad_request, invalid_value
 from photon.server.protocol import (
     ChatCompletionRequest,
@@ -136,6 +137,9 @@ class Serving:
         given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p",
                                               "presence_penalty", "frequency_penalty",
                                               "repetition_penalty") if getattr(req, k) is not None}
+        defaults = unset_defaults(req, self.core.config.model.generation_defaults)
+        max_tokens = defaults.pop("max_tokens", max_tokens)
+        given = {**defaults, **given}
         try:
             params = SamplingParams(
                 n=req.n, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -168,6 +172,12 @@ class Serving:
         if len(ids) >= max_len:
             raise bad_request(f"the prompt is {len(ids)} tokens long, but this model's maximum "
                               f"context length is {max_len} tokens", param)
+        defaults = self.core.config.model.generation_defaults
+        if defaults is not None and params.max_tokens == defaults.max_tokens:
+            # The model's max_new_tokens is a cap, as in vLLM: the engine shortens it to what
+            # the context leaves (a request's max_tokens equal to it is taken the same way);
+            # any other max_tokens a request gives must fit.
+            return
         try:
             self.core.check_fits(len(ids), params.max_tokens)
         except ValueError as e:

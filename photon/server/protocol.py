@@ -359,6 +359,10 @@ class HealthResponse(BaseModel):
     status: str
 
 
+class VersionResponse(BaseModel):
+    version: str
+
+
 def sse_event(data: dict[str, Any] | str) -> str:
     import json
 
