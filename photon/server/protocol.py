@@ -200,7 +200,9 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     UNSUPPORTED = {**_UNSUPPORTED_COMMON, "echo": (False,), "add_special_tokens": (False,),
-                   "prompt_logprobs": ()}
+                   "prompt_logprobs": (),
+                   # OpenAI's deprecated function calling: use tools / tool_choice
+                   "functions": (), "function_call": ()}
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = None
