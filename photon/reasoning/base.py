@@ -10,9 +10,11 @@ until the next piece (or the final one) says whether the tag follows.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
+
+from photon.registry import Registry
 
 REASONING, CONTENT = "reasoning", "content"
 
@@ -135,23 +137,7 @@ def _tag_prefix_len(text: str, exits: tuple[tuple[str, int], ...]) -> int:
 
 
 ParserClass = type[ReasoningParser]
-_PARSERS: dict[str, ParserClass] = {}
-
-
-def register_reasoning_parser(name: str) -> Callable[[ParserClass], ParserClass]:
-    def deco(cls: ParserClass) -> ParserClass:
-        cls.name = name
-        _PARSERS[name] = cls
-        return cls
-    return deco
-
-
-def reasoning_parser_names() -> list[str]:
-    return sorted(_PARSERS)
-
-
-def get_reasoning_parser(name: str) -> ParserClass:
-    if name not in _PARSERS:
-        raise ValueError(f"unknown reasoning parser {name!r}; available: "
-                         f"{', '.join(reasoning_parser_names())}")
-    return _PARSERS[name]
+_PARSERS: Registry[ParserClass] = Registry("reasoning parser")
+register_reasoning_parser = _PARSERS.register
+reasoning_parser_names = _PARSERS.names
+get_reasoning_parser = _PARSERS.get

@@ -11,10 +11,10 @@ malformed (the stream cannot take it back; `extract` returns such a call region 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from photon.registry import Registry
 from photon.server.tool_parsers.json_scan import CallScan, SequenceFormat, scan_sequence
 
 
@@ -76,27 +76,16 @@ class ToolParser:
         return ExtractedToolCalls(joined or None, calls[:max_calls])
 
 
-_PARSERS: dict[str, type[ToolParser]] = {}
+_PARSERS: Registry[type[ToolParser]] = Registry("tool call parser")
 
 
-def register_tool_parser(name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
-    def deco(cls: type[ToolParser]) -> type[ToolParser]:
-        cls.name = name
-        _PARSERS[name] = cls
-        return cls
-    return deco
-
-
-def tool_parser_names() -> list[str]:
-    return sorted(_PARSERS)
+register_tool_parser = _PARSERS.register
+tool_parser_names = _PARSERS.names
 
 
 def get_tool_parser(name: str) -> ToolParser:
-    """The registered parser `name`; ValueError listing the known names otherwise."""
-    if name not in _PARSERS:
-        raise ValueError(f"unknown tool call parser {name!r}; available: "
-                         f"{', '.join(tool_parser_names())}")
-    return _PARSERS[name]()
+    """An instance of the registered parser `name`; ValueError listing the known names."""
+    return _PARSERS.get(name)()
 
 
 def held_back(text: str, marker: str) -> str:
