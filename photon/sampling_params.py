@@ -145,13 +145,6 @@ class SamplingParams:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
 
-    @property
-    def float_row(self) -> tuple[float, float, float, float, float, float]:
-        """The six floats the sampler reads per row, in `worker.sampling_rows.FLOATS` order."""
-        return (float(self.temperature), float(self.top_p), float(self.min_p),
-                float(self.presence_penalty), float(self.frequency_penalty),
-                float(self.repetition_penalty))
-
     def validate_token_ids(self, vocab_size: int) -> None:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         _check(not bad, "stop_token_ids",

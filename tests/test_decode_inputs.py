@@ -6,30 +6,31 @@ import numpy as np
 import pytest
 
 from photon import LLM, SamplingParams
+from photon.core.inputs import FLOAT_FIELDS, INT_FIELDS
 from photon.worker import decode_inputs, model_runner
-from photon.worker.inputs import build_step_arrays
+from photon.worker.inputs import build_step_inputs
 
 
 def test_decode_fast_path_equals_general_path(monkeypatch: pytest.MonkeyPatch) -> None:
     checked = [0]
-    fast = decode_inputs.build_decode_arrays
+    fast = decode_inputs.build_decode_inputs
 
-    def both(rows, state, block_size, pool_width):  # noqa: ANN001, ANN202
-        valid = state.pool_valid.copy()
-        general = build_step_arrays(rows, block_size, pool_width, valid, state)
-        got = fast(rows, state, block_size, pool_width)
-        assert np.array_equal(valid, state.pool_valid)
-        for name, arr in general.ints.items():
-            assert np.array_equal(np.asarray(arr).reshape(-1),
-                                  np.asarray(got.ints[name]).reshape(-1)), name
-        for name, arr in general.floats.items():
-            assert np.array_equal(arr, got.floats[name]), name
+    def both(rows, table, block_size, pool_width):  # noqa: ANN001, ANN202
+        valid = table.pool_valid.copy()
+        general = build_step_inputs(rows, table, block_size, pool_width)
+        got = fast(rows, table, block_size, pool_width)
+        assert np.array_equal(valid, table.pool_valid), "the builders only read the table"
+        for name in INT_FIELDS + FLOAT_FIELDS:
+            assert np.array_equal(np.asarray(getattr(general.inputs, name)).reshape(-1),
+                                  np.asarray(getattr(got.inputs, name)).reshape(-1)), name
         assert general.flags == got.flags
-        assert (general.seq_lens_host, general.sample_rows) == (got.seq_lens_host, got.sample_rows)
+        assert (general.seq_lens, general.sample_rows) == (got.seq_lens, got.sample_rows)
+        for a, b in zip(general.pool_valid, got.pool_valid):
+            assert np.array_equal(a, b)
         checked[0] += 1
         return got
 
-    monkeypatch.setattr(model_runner, "build_decode_arrays", both)
+    monkeypatch.setattr(model_runner, "build_decode_inputs", both)
     llm = LLM(block_size=4, max_num_seqs=8, max_model_len=128)
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
               SamplingParams(temperature=0.9, top_k=5, top_p=0.8, seed=1, max_tokens=15,

@@ -9,9 +9,10 @@ import signal
 import pytest
 
 from photon import LLM, SamplingParams
+from photon.core.step import NewRequest
 from photon.engine.engine_core import EngineCore
 from photon.outputs import RequestOutput
-from photon.worker.sampling_rows import RowState
+from photon.worker.request_table import RequestTable
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = {"a": [11, 12, 13], "bad": [21, 22, 23, 24, 25], "c": [31, 32], "late": [41, 42, 43, 44]}
@@ -33,14 +34,15 @@ def _drain(core: EngineCore, finals: dict[str, RequestOutput]) -> None:
 
 def _fault_for(ids: set[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Staging a request of `ids` raises what a value too large for int64 raised."""
-    real = RowState.assign
+    real = RequestTable.add
+    faulty = [PROMPTS[i] for i in ids]
 
-    def assign(self: RowState, row: int, req: object) -> None:
-        if req.parent_id in ids:
+    def add(self: RequestTable, new: NewRequest) -> None:
+        if new.token_ids in faulty:  # a first admission: its tokens are its prompt
             raise OverflowError("Python int too large to convert to C long")
-        real(self, row, req)
+        real(self, new)
 
-    monkeypatch.setattr(RowState, "assign", assign)
+    monkeypatch.setattr(RequestTable, "add", add)
 
 
 @pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "blocking"])
@@ -81,8 +83,8 @@ def test_staging_fault_offline_raises_and_leaves_the_llm_usable(
         monkeypatch: pytest.MonkeyPatch) -> None:
     llm = LLM(max_model_len=64, block_size=4, max_num_seqs=4)
     expected = _tokens(llm, PROMPTS["a"])
-    _fault_for({"1"}, monkeypatch)  # the batch's second request
-    with pytest.raises(ValueError, match=r"request 1: internal error: the request's inputs could "
+    _fault_for({"bad"}, monkeypatch)  # the batch's second request
+    with pytest.raises(ValueError, match=r"request 2: internal error: the request's inputs could "
                                          r"not be staged \(OverflowError"):
         llm.generate([PROMPTS["a"], PROMPTS["bad"], PROMPTS["c"]], GREEDY, use_tqdm=False)
     llm.engine.assert_drained()

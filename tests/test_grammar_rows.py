@@ -1,5 +1,5 @@
 """GrammarRows: which sampling rows a step's grammar job fills and which matchers accept its
-tokens, from per-pool-row columns (no per-row Python in the engine's grammar step)."""
+tokens, from per-request-index columns (no per-row Python in the engine's grammar step)."""
 
 from __future__ import annotations
 
@@ -17,98 +17,111 @@ WORDS = 3
 
 
 def _request(handle: int | None, outputs: int = 0, gate: int | None = None) -> SimpleNamespace:
-    grammar = None if handle is None else SimpleNamespace(handle=handle, terminated=False,
-                                                          start_after=gate)
-    return SimpleNamespace(grammar=grammar, finalized=False, output_token_ids=[7] * outputs)
+    grammar = None if handle is None else SimpleNamespace(handle=handle, start_after=gate)
+    return SimpleNamespace(grammar=grammar, finished=False, output_token_ids=[7] * outputs)
 
 
-def _step(table: GrammarRows, requests: list, pool_rows: list[int]) -> tuple:
-    """A step whose sampling row j is requests[j] on pool row pool_rows[j]; its masks."""
-    rows = [SimpleNamespace(request=r, out_index=len(r.output_token_ids)) for r in requests]
-    counters = np.array([r.out_index for r in rows], dtype=np.int64)
-    flat = torch.full((mask_numel(len(rows), WORDS),), 0x5A5A5A5A, dtype=torch.int32)
-    mask = mask_views(flat, len(rows), WORDS)
-    return rows, counters, mask
+def _step(requests: list) -> tuple:
+    """A step whose sampling row j is requests[j]: its counters and masks."""
+    counters = np.array([len(r.output_token_ids) for r in requests], dtype=np.int64)
+    flat = torch.full((mask_numel(len(requests), WORDS),), 0x5A5A5A5A, dtype=torch.int32)
+    return counters, mask_views(flat, len(requests), WORDS)
 
 
 def test_fill_marks_only_live_grammar_rows() -> None:
     """Rows without a grammar and zombie rows get all bits and the tail set; live grammar rows
-    are left to the job (tail 0); fills name the sampling row, handle and pool row."""
+    are left to the job (tail 0); fills name the sampling row, handle and request index."""
     table = GrammarRows(8, frozenset({STOP}), WORDS)
     reqs = [_request(None), _request(5), _request(3), _request(9)]
-    pool = [6, 1, 4, 0]
-    for r, p in zip(reqs, pool):
-        table.assign(p, r)
-    reqs[2].finalized = True  # a zombie: finalized while the step was in flight
-    rows, counters, mask = _step(table, reqs, pool)
-    fills = table.fill(rows, np.array(pool), counters, mask)
+    index = np.array([6, 1, 4, 0])
+    for r, i in zip(reqs, index):
+        table.assign(int(i), r)
+    reqs[2].finished = True  # a zombie: finished while the step was in flight
+    counters, mask = _step(reqs)
+    fills = table.fill(reqs, index, counters, mask)
     assert fills.rows.tolist() == [1, 3]
-    assert fills.handles.tolist() == [5, 9] and fills.pool_rows.tolist() == [1, 0]
+    assert fills.handles.tolist() == [5, 9] and fills.req.tolist() == [1, 0]
     assert mask.tail.tolist() == [-1, 0, -1, 0]
     assert (mask.bits[0] == -1).all() and (mask.bits[2] == -1).all()
     assert (mask.bits[1] == 0x5A5A5A5A).all() and (mask.bits[3] == 0x5A5A5A5A).all()
 
 
-def test_accept_skips_zombies_and_ends_grammars_on_stop_tokens() -> None:
-    """The filled rows accept their tokens at commit, less those finalized meanwhile; a stop
-    token terminates its grammar, whose row fills nothing after; sent counts what was handed on."""
+def test_accept_skips_zombies_and_returns_the_grammars_a_stop_token_ends() -> None:
+    """The filled rows accept their tokens at commit, less those finished meanwhile; a stop
+    token ends its grammar (returned, for the scheduler), whose row fills nothing after; sent
+    counts what was handed on."""
     table = GrammarRows(4, frozenset({STOP, 99}), WORDS)
     reqs = [_request(10), _request(11), _request(12)]
-    for p, r in enumerate(reqs):
-        table.assign(p, r)
-    rows, counters, mask = _step(table, reqs, [0, 1, 2])
-    fills = table.fill(rows, np.arange(3), counters, mask)
-    reqs[1].finalized = True  # e.g. its max_tokens was reached at the previous commit
-    handles, tokens = table.accept(fills, rows, np.array([5, 6, STOP], dtype=np.int64))
-    assert handles.tolist() == [10, 12] and tokens.tolist() == [5, STOP]
-    assert tokens.dtype == np.int64
-    assert [r.grammar.terminated for r in reqs] == [False, False, True]
+    for i, r in enumerate(reqs):
+        table.assign(i, r)
+    counters, mask = _step(reqs)
+    fills = table.fill(reqs, np.arange(3), counters, mask)
+    reqs[1].finished = True  # e.g. its max_tokens was reached at the previous commit
+    accepts = table.accept(fills, reqs, np.array([5, 6, STOP], dtype=np.int64))
+    assert accepts.handles.tolist() == [10, 12] and accepts.tokens.tolist() == [5, STOP]
+    assert accepts.tokens.dtype == np.int64
+    assert accepts.rows.tolist() == [0, 2] and accepts.ended.tolist() == [2]
     assert table.sent.tolist() == [1, 0, 1, 0]
     for r in (reqs[0], reqs[2]):
         r.output_token_ids.append(0)
-    reqs[1].finalized = False  # not realistic, but shows only the stop token ends row 2
-    rows, _, mask = _step(table, reqs, [0, 1, 2])
-    fills = table.fill(rows, np.arange(3), np.array([1, 0, 1]), mask)
+    reqs[1].finished = False  # not realistic, but shows only the stop token ends row 2
+    _, mask = _step(reqs)
+    fills = table.fill(reqs, np.arange(3), np.array([1, 0, 1]), mask)
     assert fills.rows.tolist() == [0, 1]
 
 
 def test_gated_rows_allow_all_until_their_gate_token_is_committed() -> None:
     """A row whose grammar starts after a token (the end of its reasoning) is not filled and
-    accepts nothing; its tokens count as passed; the gate token opens it (also on the request,
-    so a preempted request comes back ungated); the next fill is the grammar's."""
+    accepts nothing; its tokens count as passed; the gate token opens it; the next fill is the
+    grammar's."""
     gate = 77
     table = GrammarRows(4, frozenset({STOP}), WORDS)
     reqs = [_request(10, gate=gate), _request(11), _request(12, gate=gate)]
-    for p, r in enumerate(reqs):
-        table.assign(p, r)
-    rows, counters, mask = _step(table, reqs, [0, 1, 2])
-    fills = table.fill(rows, np.arange(3), counters, mask)
+    for i, r in enumerate(reqs):
+        table.assign(i, r)
+    counters, mask = _step(reqs)
+    fills = table.fill(reqs, np.arange(3), counters, mask)
     assert fills.rows.tolist() == [1] and fills.gated.tolist() == [0, 2]
     assert mask.tail.tolist() == [-1, 0, -1] and (mask.bits[0] == -1).all()
-    handles, tokens = table.accept(fills, rows, np.array([gate, 6, STOP], dtype=np.int64))
-    assert handles.tolist() == [11] and tokens.tolist() == [6]  # gated rows reach no matcher
+    accepts = table.accept(fills, reqs, np.array([gate, 6, STOP], dtype=np.int64))
+    assert accepts.handles.tolist() == [11] and accepts.tokens.tolist() == [6]  # gated: no matcher
+    assert accepts.ended.size == 0  # a stop id under the gate does not end the grammar
     assert table.sent.tolist() == [1, 1, 1, 0]
-    assert [r.grammar.start_after for r in reqs] == [None, None, gate]
-    assert not reqs[2].grammar.terminated  # a stop id under the gate does not end the grammar
-    for r in reqs:
+    assert table.gate.tolist()[:3] == [-1, -1, gate]
+    reqs[0].output_token_ids.append(gate)
+    for r in reqs[1:]:
         r.output_token_ids.append(0)
-    rows, counters, mask = _step(table, reqs, [0, 1, 2])
-    fills = table.fill(rows, np.arange(3), counters, mask)
+    counters, mask = _step(reqs)
+    fills = table.fill(reqs, np.arange(3), counters, mask)
     assert fills.rows.tolist() == [0, 1] and fills.gated.tolist() == [2]
     assert fills.handles.tolist() == [10, 11]
+
+
+def test_a_readmitted_request_is_ungated_once_its_outputs_hold_the_gate_token() -> None:
+    """A preempted request comes back at a new index: its gate is open if the gate token is
+    among its committed outputs, closed otherwise (nothing is written back into the request)."""
+    gate = 77
+    table = GrammarRows(4, frozenset({STOP}), WORDS)
+    passed, waiting = _request(10, gate=gate), _request(11, gate=gate)
+    passed.output_token_ids += [gate, 5]
+    table.assign(0, passed)
+    table.assign(1, waiting)
+    assert table.gate.tolist()[:2] == [-1, gate]
+    assert table.sent.tolist()[:2] == [2, 0]
+    assert passed.grammar.start_after == gate  # the request's spec is left as it was
 
 
 def test_fill_before_the_last_token_was_handed_on_is_an_error() -> None:
     table = GrammarRows(2, frozenset({STOP}), WORDS)
     req = _request(4)
     table.assign(0, req)
-    rows, _, mask = _step(table, [req], [0])
+    _, mask = _step([req])
     with pytest.raises(AssertionError, match="before the previous token was committed"):
-        table.fill(rows, np.array([0]), np.array([1]), mask)  # out_index 1, nothing handed on
+        table.fill([req], np.array([0]), np.array([1]), mask)  # out_index 1, nothing handed on
 
 
-def test_a_reused_pool_row_starts_from_its_new_request() -> None:
-    """A pool row taken by another request (or by a preempted one coming back with outputs)
+def test_a_reused_index_starts_from_its_new_request() -> None:
+    """An index taken by another request (or by a preempted one coming back with outputs)
     holds that request's handle and output count."""
     table = GrammarRows(2, frozenset({STOP}), WORDS)
     table.assign(1, _request(3))

@@ -1,6 +1,6 @@
 """Pipelined (depth 2) and blocking (depth 1) plan identical schedules (the same rows, prefix-cache
 hits and preemptions at every step) and give identical tokens and finish reasons, and the
-zombie/release invariants hold: no token after finalize, no release while in flight, all free
+zombie/release invariants hold: no token after finish, no release while in flight, all free
 after drain."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from photon import LLM, SamplingParams
+from photon.core.step import CommittedToken
 from photon.engine.engine_core import EngineCore
 from photon.engine.request import Request
-from photon.engine.scheduler import CommittedToken, ScheduledRow, SchedulerOutput
+from photon.engine.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -43,21 +44,23 @@ class Audit:
 
         def plan() -> SchedulerOutput:
             out = orig_plan()
-            self.schedule.append(tuple((r.request.request_id, r.start, r.num_tokens, r.sample)
-                                       for r in out.rows))
+            self.schedule.append(tuple((q.request_id, r.start, r.num_tokens, r.sample)
+                                       for r, q in zip(out.plan.rows, out.requests)))
             return out
 
         def add(req: Request) -> None:
             self.requests[req.request_id] = req
             orig_add(req)
 
-        def commit(rows: list[ScheduledRow], tokens: list[CommittedToken | None]) -> list[Request]:
-            self.zombie_rows += sum(r.sample and r.request.finalized for r in rows)
-            touched = orig_commit(rows, tokens)
+        def commit(step: SchedulerOutput, tokens: list[CommittedToken | None],
+                   ended: frozenset[int] = frozenset()) -> list[Request]:
+            self.zombie_rows += sum(r.sample and q.finished
+                                    for r, q in zip(step.plan.rows, step.requests))
+            touched = orig_commit(step, tokens, ended)
             for req in self.requests.values():
-                if req.finalized:
+                if req.finished:
                     n = self.final_len.setdefault(req.request_id, len(req.output_token_ids))
-                    assert len(req.output_token_ids) == n, "a token was appended after finalize"
+                    assert len(req.output_token_ids) == n, "a token was appended after finish"
             return touched
 
         def free(request_id: str) -> None:
@@ -218,7 +221,7 @@ def test_abort_of_a_preempted_waiting_request_leaves_nothing_behind() -> None:
     victim = None
     for _ in range(200):
         core.step()
-        victim = next((r for r in core.scheduler.waiting if r.released and r.num_preemptions), None)
+        victim = next((r for r in core.scheduler.waiting if r.req_index is None and r.num_preemptions), None)
         if victim is not None:
             break
     assert victim is not None, "the tight cache should have preempted a request"

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
+from photon.core.sampling import derive_key
 from photon.worker.sampler import (
     Sampler,
     SamplingBatch,
     apply_penalties,
-    derive_key,
     gumbel_noise,
     noise_bits,
 )

@@ -247,17 +247,14 @@ def test_min_tokens_does_not_fight_the_grammar(llm: LLM) -> None:
 
 
 def test_grammar_rows_get_no_min_tokens_bans() -> None:
-    from types import SimpleNamespace
+    from photon.core.sampling import pack_sampling
 
-    from photon.worker.inputs import min_tokens_bans
-
-    def row(structured: SO | None) -> SimpleNamespace:
+    def bans(structured: SO | None) -> tuple[int, ...]:
         params = SamplingParams(min_tokens=5, stop_token_ids=[9], structured_outputs=structured)
-        return SimpleNamespace(request=SimpleNamespace(params=params,
-                                                       eos_token_ids=frozenset({2})))
+        return pack_sampling(params, 1, 4, 16, 100, frozenset({2})).min_tokens_bans
 
-    rows, ids = min_tokens_bans([row(None), row(SO(choice=CHOICES)), row(None)], [0, 1, 2])
-    assert rows.tolist() == [0, 0, 2, 2] and ids.tolist() == [2, 9, 2, 9]
+    assert bans(None) == (2, 9)
+    assert bans(SO(choice=CHOICES)) == ()
 
 
 def test_mask_never_allows_ids_past_the_tokenizer(llm: LLM) -> None:
@@ -276,8 +273,8 @@ def test_mask_never_allows_ids_past_the_tokenizer(llm: LLM) -> None:
     grammar = _ready(manager.request_grammar(SO(regex="[a-z]+")))
     mask = mask_views(manager.executor.mask_buffer(0, mask_numel(3, 32)), 3, 32)
     mask.bits.fill_(0x5A5A5A5A)
-    table, rows = _grammar_rows(manager, [None, grammar, None])
-    fills = table.fill(rows, np.arange(3), np.zeros(3, dtype=np.int64), mask)
+    table, requests = _grammar_rows(manager, [None, grammar, None])
+    fills = table.fill(requests, np.arange(3), np.zeros(3, dtype=np.int64), mask)
     assert fills.rows.tolist() == [1] and fills.handles.tolist() == [grammar.handle]
     manager.submit(StepJob(_NONE, _NONE, fills.rows, fills.handles), mask)
     assert manager.wait() == []
@@ -302,31 +299,27 @@ def _ready(grammar: object, timeout: float = 120.0) -> object:
     return grammar
 
 
-def _mask_row(grammar: object, out_index: int = 0) -> object:
+def _grammar_rows(manager: object, grammars: list, out_index: int = 0) -> tuple:
+    """A GrammarRows table whose request index i holds a request under grammars[i] (or none)
+    that committed `out_index` outputs, and those requests (sampling row i is index i)."""
     from types import SimpleNamespace
 
-    req = SimpleNamespace(grammar=grammar, finalized=False, output_token_ids=[0] * out_index)
-    return SimpleNamespace(request=req, out_index=out_index)
-
-
-def _grammar_rows(manager: object, grammars: list, out_index: int = 0) -> tuple:
-    """A GrammarRows table whose pool row i holds a request under grammars[i] (or none) that
-    committed `out_index` outputs, and those requests' sampling rows."""
     from photon.structured.rows import GrammarRows
 
     table = GrammarRows(len(grammars), manager.backend.stop_token_ids, manager.backend.mask_words)
-    rows = [_mask_row(g, out_index) for g in grammars]
-    for i, row in enumerate(rows):
-        table.assign(i, row.request)
-    return table, rows
+    requests = [SimpleNamespace(grammar=g, finished=False, output_token_ids=[0] * out_index)
+                for g in grammars]
+    for i, req in enumerate(requests):
+        table.assign(i, req)
+    return table, requests
 
 
 def _all_filled(table: object) -> object:
     """The fills of a step in which every row of `table` with a grammar was filled."""
     from photon.structured.rows import StepFills
 
-    pool_rows = np.flatnonzero(table.handle >= 0)
-    return StepFills(pool_rows, table.handle[pool_rows], pool_rows)
+    index = np.flatnonzero(table.handle >= 0)
+    return StepFills(index, table.handle[index], index)
 
 
 def _apply(logits, mask):
@@ -392,15 +385,17 @@ def test_stop_token_set_predicts_termination(llm: LLM, spec: SO, text: str) -> N
     assert stops
     matcher = backend.matcher(grammar.future.result())
     assert not backend.matcher(grammar.future.result()).accept(stops[0])  # cannot end yet
-    table, rows = _grammar_rows(engine.structured, [grammar])
+    table, requests = _grammar_rows(engine.structured, [grammar])
+    ended = False
     for t in [*engine.tokenizer.encode(text), stops[0]]:
         fills = _all_filled(table)
         assert fills.rows.size == 1
-        handles, toks = table.accept(fills, rows, np.array([t]))
-        assert handles.tolist() == [grammar.handle] and toks.tolist() == [t]
+        accepts = table.accept(fills, requests, np.array([t]))
+        assert accepts.handles.tolist() == [grammar.handle] and accepts.tokens.tolist() == [t]
         assert backend.accept_tokens([matcher], [t]) == [True]
-        assert grammar.terminated == matcher.is_terminated()
-    assert grammar.terminated and _all_filled(table).rows.size == 0
+        ended = accepts.ended.size == 1
+        assert ended == matcher.is_terminated()
+    assert ended and _all_filled(table).rows.size == 0
     assert backend.accept_tokens([matcher], [stops[0]]) == [False]  # nothing after the end
 
 
@@ -455,14 +450,12 @@ def test_worker_reports_rejections_and_fills_live_rows(llm: LLM) -> None:
     first = tok.encode('{"')[0]
     words = manager.backend.mask_words
     mask = mask_views(manager.executor.mask_buffer(1, mask_numel(2, words)), 2, words)
-    table, rows = _grammar_rows(manager, [good, bad])
-    acc = table.accept(_all_filled(table), rows, np.array([first, tok.encode("]")[0]]))
-    for row in rows:
-        row.out_index = 1
-    fills = table.fill(rows, np.arange(2), np.ones(2, dtype=np.int64), mask)
+    table, requests = _grammar_rows(manager, [good, bad])
+    acc = table.accept(_all_filled(table), requests, np.array([first, tok.encode("]")[0]]))
+    fills = table.fill(requests, np.arange(2), np.ones(2, dtype=np.int64), mask)
     assert fills.rows.tolist() == [0, 1]  # a rejection shows only once the job ran
-    manager.submit(StepJob(*acc, fills.rows, fills.handles), mask, 1)
-    assert manager.wait() == [bad]
+    manager.submit(StepJob(acc.handles, acc.tokens, fills.rows, fills.handles), mask, 1)
+    assert manager.wait() == [1]  # the second accept: `bad`'s
     assert (mask.bits[1] == -1).all()
     reference = manager.backend.matcher(good.future.result())
     assert reference.accept(first)
@@ -473,8 +466,9 @@ def test_worker_reports_rejections_and_fills_live_rows(llm: LLM) -> None:
 
 def test_handle_released_mid_job_is_reused_only_after_it(llm: LLM) -> None:
     """A request can be released in the commit that submitted its last accept. Its matcher
-    handle is closed only once that job was waited for: a rejection in it maps to the released
-    grammar (never to a new sequence's), and a grammar opened meanwhile gets another handle."""
+    handle is closed only once that job was waited for: a rejection in it is reported by its
+    place among the job's accepts (the grammar step maps it to the request it submitted), and a
+    grammar opened meanwhile gets another handle."""
     manager = llm.engine.structured
     executor = manager.executor
     spec = SO(json=SCHEMAS[0])
@@ -486,7 +480,7 @@ def test_handle_released_mid_job_is_reused_only_after_it(llm: LLM) -> None:
     old.release()
     new = _ready(manager.request_grammar(spec))
     assert new.handle != handle
-    assert manager.wait() == [old]
+    assert manager.wait() == [0]  # the job's first (only) accept: old's
     assert executor.open_matchers == open_before  # old's handle closed after the job, new open
     freed = (handle, new.handle)
     new.release()

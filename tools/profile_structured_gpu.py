@@ -64,10 +64,10 @@ def _timeline(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
 def profile_run(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams],
                 depth: int) -> dict[str, Any]:
     core.pipeline.depth = depth
-    steps0 = core.runner.step_count
+    steps0 = core.scheduler.num_steps
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         lengths, wall, _ = run_batch(core, prompts, params)
-    steps = core.runner.step_count - steps0
+    steps = core.scheduler.num_steps - steps0
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)

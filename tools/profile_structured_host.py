@@ -31,12 +31,12 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_att
 
 def _profile(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]
              ) -> tuple[dict, int, float]:
-    steps0 = core.runner.step_count
+    steps0 = core.scheduler.num_steps
     prof = cProfile.Profile()
     prof.enable()
     _, wall, _ = run_batch(core, prompts, params)
     prof.disable()
-    steps = core.runner.step_count - steps0
+    steps = core.scheduler.num_steps - steps0
     own_cum = {k: (v[2], v[3], v[1]) for k, v in pstats.Stats(prof).stats.items()}
     return own_cum, steps, wall
 

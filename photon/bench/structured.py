@@ -152,15 +152,15 @@ def _timed_run(core: EngineCore, prompts: list[list[int]], params: list[Sampling
     runner.probe = probe
     clock = core.structured.executor.clock
     clock.recent.clear()
-    job_s, wait_s, steps = clock.total_s, runner.grammar_wait_s, runner.step_count
+    job_s, wait_s, steps = clock.total_s, core.grammar.wait_s, core.scheduler.num_steps
     try:
         with StepLog() as log:
             lengths, wall, reasons = run_batch(core, prompts, params, log)
     finally:
         runner.probe = None
-    n = max(1, runner.step_count - steps)
+    n = max(1, core.scheduler.num_steps - steps)
     ms = 1e3 / n
-    mask_wait_s = runner.grammar_wait_s - wait_s
+    mask_wait_s = core.grammar.wait_s - wait_s
     row = {f"{prefix}_tok_per_s": sum(lengths) / wall, f"{prefix}_steps": n,
            f"{prefix}_ms_per_step": wall * ms, f"{prefix}_gpu_ms_per_step": probe.gpu_seconds() * ms,
            f"{prefix}_wait_ms_per_step": probe.wait_s * ms,

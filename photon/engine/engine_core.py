@@ -23,6 +23,8 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 from photon.config import EngineConfig
+from photon.core.sampling import derive_key, pack_sampling
+from photon.core.step import request_table_size
 from photon.engine.detokenizer import IncrementalDetokenizer
 from photon.engine.kv_cache import KVCacheManager
 from photon.engine.logprobs import TokenTexts
@@ -34,10 +36,9 @@ from photon.reasoning import ReasoningParser, get_reasoning_parser
 from photon.sampling_params import SamplingParams
 from photon.structured.manager import StructuredOutputManager
 from photon.structured.params import GrammarLimits
+from photon.structured.step import GrammarStep
 from photon.tokenizer import Tokenizer
 from photon.worker.model_runner import ModelRunner
-from photon.worker.sampler import derive_key
-from photon.worker.sampling_rows import pack_sampling_row
 
 
 @dataclass
@@ -84,12 +85,14 @@ class EngineCore:
             limits=GrammarLimits(config.structured_outputs_max_chars,
                                  config.structured_outputs_max_choices),
             cache_bytes=config.structured_outputs_cache_mb << 20)
-        self.runner = ModelRunner(config, structured=self.structured, on_fault=self._fail_request)
+        self.grammar = GrammarStep(self.structured,
+                                   request_table_size(config.scheduler.max_num_seqs))
+        self.runner = ModelRunner(config, masks=self.grammar, on_fault=self._fail_request)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.release,
-                                   TokenTexts(self.tokenizer))
-        self.pipeline = Pipeline(self.scheduler, self.runner, config.pipeline_depth)
+        self.scheduler = Scheduler(config.scheduler, self.kv, TokenTexts(self.tokenizer))
+        self.pipeline = Pipeline(self.scheduler, self.runner, self.grammar,
+                                 config.pipeline_depth)
         self._rng = random.Random(config.model.seed)
         self._ids = itertools.count()
         self.parents: dict[str, list[Request]] = {}  # request id -> its n children
@@ -147,21 +150,21 @@ class EngineCore:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         # Packed for every child before any is queued: a value that does not fit fails the
         # whole request here, and staging it later cannot fail.
-        rows = [pack_sampling_row(params, derive_key(seed, i), len(ids), max_tokens, vocab)
-                for i in range(params.n)]
+        eos = self.tokenizer.eos_token_ids
+        packed = [pack_sampling(params, derive_key(seed, i), len(ids), max_tokens, vocab, eos)
+                  for i in range(params.n)]
         gate = self._grammar_gate(ids, params)
         children = []
-        for i, row in enumerate(rows):
+        for i, sampling in enumerate(packed):
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
-            req = Request(child_id, list(ids), params, self.tokenizer.eos_token_ids, max_tokens,
-                          row, prompt=text, parent_id=request_id, index=i)
+            req = Request(child_id, list(ids), params, eos, max_tokens, sampling, prompt=text,
+                          parent_id=request_id, index=i)
             if params.detokenize or params.stop:
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
             if params.prompt_logprobs is not None and i == 0:  # the children share the prompt
                 req.prompt_logprobs = [None]
             if params.structured_outputs is not None:  # compiles once per spec (cached)
-                req.grammar = self.structured.request_grammar(params.structured_outputs)
-                req.grammar.start_after = gate
+                req.grammar = self.structured.request_grammar(params.structured_outputs, gate)
             children.append(req)
             self.scheduler.add(req)
         self.parents[request_id] = children
@@ -186,19 +189,24 @@ class EngineCore:
         if children:
             self._aborted.append(request_id)
 
-    def _fail_request(self, req: Request, error: str) -> None:
-        """The runner could not stage `req`: it ends (ABORT, with `error`), reported by this
-        step; the other requests go on."""
+    def _fail_request(self, req_index: int, error: str) -> None:
+        """The runner could not stage the request at `req_index`: it ends (ABORT, with
+        `error`), reported by this step; the other requests go on."""
+        req = self.scheduler.request_at(req_index)
         self.scheduler.fail(req, error)
         self._aborted.append(req.parent_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or not self.pipeline.idle or bool(self._aborted)
+        # Releases not yet delivered: one more step hands them to the runner.
+        sched = self.scheduler
+        return sched.has_unfinished() or not self.pipeline.idle or bool(self._aborted) \
+            or sched.has_releases
 
     def step(self) -> list[RequestOutput]:
         touched = self._promote_grammars()
-        if (self.scheduler.has_unfinished() and not self.scheduler.only_compiling) \
-                or not self.pipeline.idle:
+        sched = self.scheduler
+        if (sched.has_unfinished() and not sched.only_compiling) or not self.pipeline.idle \
+                or sched.has_releases:
             touched += self.pipeline.step()
         parent_ids = dict.fromkeys([*self._aborted, *(r.parent_id for r in touched)])
         self._aborted.clear()
@@ -207,7 +215,7 @@ class EngineCore:
             children = self.parents.get(pid)
             if children is None:
                 continue
-            finished = all(r.finalized for r in children)
+            finished = all(r.finished for r in children)
             if finished or pid not in self._final_only:
                 outputs.append(self.make_output(pid))
             if finished:
@@ -241,7 +249,7 @@ class EngineCore:
         # Delta outputs go out every step: share the prompt ids instead of copying them each time.
         prompt_ids = first.prompt_token_ids if state is not None else list(first.prompt_token_ids)
         return RequestOutput(parent_id, first.prompt, prompt_ids, outs,
-                             finished=all(r.finalized for r in children), metrics=metrics,
+                             finished=all(r.finished for r in children), metrics=metrics,
                              prompt_logprobs=self._prompt_logprobs(first, state),
                              num_cached_tokens=first.num_cached_tokens, error=error)
 
@@ -262,13 +270,13 @@ class EngineCore:
         start, end = state.sent_tokens[r.index], len(r.output_token_ids)
         state.sent_tokens[r.index] = end
         finish = None
-        if r.finalized and not state.finish_sent[r.index]:
+        if r.finished and not state.finish_sent[r.index]:
             state.finish_sent[r.index] = True
             finish = r.finish_reason.value if r.finish_reason else None
         want_lp = r.params.logprobs is not None
         return CompletionOutput(
             index=r.index,
-            text=r.detokenizer.get_delta(finished=r.finalized) if r.detokenizer else "",
+            text=r.detokenizer.get_delta(finished=r.finished) if r.detokenizer else "",
             token_ids=r.output_token_ids[start:end],
             cumulative_logprob=r.cumulative_logprob if want_lp else None,
             logprobs=r.logprobs[start:end] if want_lp else None,
@@ -297,13 +305,16 @@ class EngineCore:
 
     # ---- drain checks -------------------------------------------------------------------------
     def assert_drained(self) -> None:
-        """Invariant after a drain: no request alive, every KV block unreferenced, no pool row, no
-        open grammar matcher."""
-        assert not self.scheduler.has_unfinished(), "requests still running or waiting"
+        """Invariant after a drain: no request alive, every KV block unreferenced, no request
+        index held (by the scheduler or, once told, the runner), no open grammar matcher."""
+        sched = self.scheduler
+        assert not sched.has_unfinished(), "requests still running or waiting"
         assert self.pipeline.idle, "a step is still in flight"
-        assert self.scheduler.num_unreleased == 0, "finalized requests not yet released"
+        assert sched.num_unreleased == 0, "finished requests not yet released"
         assert self.kv.num_used_blocks == 0, f"{self.kv.num_used_blocks} KV blocks still held"
-        assert len(self.runner.free_pool_rows) == self.runner.num_pool_rows, "pool rows leaked"
+        assert len(sched.free_indices) == len(sched.by_index), "request indices leaked"
+        live = self.runner.table.num_live
+        assert live == 0, f"{live} rows of the runner's table still held"
         if self.structured is not None and self.structured.started:
             assert self.structured.executor.open_matchers == 0, "grammar matchers leaked"
         self.kv.check_invariants()

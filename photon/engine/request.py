@@ -2,7 +2,8 @@
 
 Token accounting under pipelining (see docs/architecture.md):
 - `all_token_ids` holds committed tokens only (prompt + outputs the host has seen).
-- `num_pending` counts tokens sampled on the device but not yet committed (0 or 1 at depth 2).
+- `num_pending` counts tokens sampled on the device but not yet committed: between two iterations
+  of the loop, at most 1 at depth 1 and at most 2 at depth 2 (the launched step and the staged one).
 - `num_computed_tokens` counts positions whose K/V write is planned/enqueued; it is advanced at plan
   time, so stream order guarantees any later step reads those K/V.
 - The request's known length is `len(all_token_ids) + num_pending`; a decode row's input is the
@@ -17,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from photon.core.sampling import PackedSampling
     from photon.engine.detokenizer import IncrementalDetokenizer
     from photon.outputs import PromptLogprobs, SampleLogprobs
     from photon.sampling_params import SamplingParams
     from photon.structured.manager import RequestGrammar
-    from photon.worker.sampling_rows import SamplingRow
 
 
 class RequestStatus(enum.Enum):
@@ -47,7 +48,7 @@ class Request:
     max_tokens: int  # resolved: never past max_model_len
     # The sampler's constants (its counter-based RNG key among them: same key + same output index
     # = same noise), packed when the request was added.
-    sampling: SamplingRow
+    sampling: PackedSampling
     arrival_time: float = field(default_factory=time.monotonic)
     prompt: str | None = None
     parent_id: str | None = None  # set for the children of an n > 1 request
@@ -58,11 +59,11 @@ class Request:
     num_computed_tokens: int = 0
     num_pending: int = 0
     inflight_refs: int = 0
-    finalized: bool = False  # output is final and reported; resources wait for inflight_refs == 0
-    released: bool = False
+    finished: bool = False  # output is final and reported; resources wait for inflight_refs == 0
+    # Its index in the runner's request table while it holds one (admitted, not yet released).
+    req_index: int | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    pool_row: int | None = None  # row of the device token pool (owned by the model runner)
     num_preemptions: int = 0
     logprobs: SampleLogprobs = field(default_factory=list)
     cumulative_logprob: float = 0.0
@@ -72,7 +73,6 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     grammar: RequestGrammar | None = None  # structured outputs: compile state, then matcher
     error: str | None = None  # why the request failed (e.g. its grammar did not compile)
-    first_token_time: float | None = None
     scheduled_time: float | None = None
 
     @property
@@ -101,12 +101,3 @@ class Request:
     @property
     def num_planned_outputs(self) -> int:
         return len(self.output_token_ids) + self.num_pending
-
-    @property
-    def done_planning(self) -> bool:
-        """Every output this request can produce is already sampled (max_tokens known in advance)."""
-        return self.num_planned_outputs >= self.max_tokens
-
-    def token_at(self, position: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]

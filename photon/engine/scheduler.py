@@ -2,18 +2,27 @@
 
 plan() builds the next step's batch assuming every running request continues (its newest token may
 still be on the device: a placeholder the model runner reads from the token pool). commit() applies
-one step's sampled tokens: appends them, runs stop checks, finalizes finished requests, and drops
-the step's in-flight references, releasing resources of finalized requests that reach zero.
+one step's sampled tokens: appends them, runs stop checks, finishes requests that stopped, and drops
+the step's in-flight references, releasing what finished or preempted requests hold (KV blocks,
+their request index) once they reach zero. Admitted requests get a request index; the plan tells
+the runner which indices enter and leave its table (photon.core.step).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from photon.config import SchedulerConfig
+from photon.core.step import (
+    CommittedToken,
+    NewRequest,
+    PromptScores,
+    ScheduledRow,
+    StepPlan,
+    request_table_size,
+)
 from photon.engine.kv_cache import KVCacheManager, PrefixMatch
 from photon.engine.logprobs import TokenText, logprob_entry
 from photon.engine.request import FinishReason, Request, RequestStatus
@@ -21,58 +30,26 @@ from photon.structured.backend import GrammarError
 
 
 @dataclass(slots=True)
-class ScheduledRow:
-    request: Request
-    start: int  # first position computed this step
-    num_tokens: int
-    sample: bool  # the row reaches the request's known length: sample its next token
-    out_index: int  # output index of the sampled token (seeds the counter-based RNG)
-    block_ids: list[int]  # the request's blocks (read-only view owned by the KV manager)
-
-    @property
-    def seq_len(self) -> int:
-        return self.start + self.num_tokens
-
-
-@dataclass
 class SchedulerOutput:
-    rows: list[ScheduledRow] = field(default_factory=list)
-    num_tokens: int = 0
+    """A planned step: the plan the runner receives and, aligned with it, the scheduler's own
+    requests (its rows' and its new requests'), which commit and the grammar step read."""
 
-    @property
-    def empty(self) -> bool:
-        return not self.rows
-
-
-@dataclass(slots=True)
-class CommittedToken:
-    token_id: int
-    logprob: float | None = None
-    rank: int | None = None  # 1-based rank of the token in the raw distribution
-    top_ids: list[int] | None = None  # the top alternatives, most likely first
-    top_logprobs: list[float] | None = None
-
-
-@dataclass(slots=True)
-class PromptScores:
-    """Logprobs of `request`'s prompt tokens [first, first + len(logprobs)), from one step."""
-
-    request: Request
-    first: int
-    logprobs: list[float]
-    ranks: list[int]
-    top_ids: list[list[int]]  # [] per token when no top logprobs were asked for
-    top_logprobs: list[list[float]]
+    plan: StepPlan
+    requests: list[Request] = field(default_factory=list)  # plan.rows[i] is requests[i]'s
+    admitted: list[Request] = field(default_factory=list)  # plan.new_requests[i] is admitted[i]
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 on_release: Callable[[Request], None], token_text: TokenText | None = None
-                 ) -> None:
+                 token_text: TokenText | None = None) -> None:
         self.config = config
         self.token_text = token_text  # a token's text, for logprob entries (None: no text)
         self.kv = kv
-        self.on_release = on_release  # frees what the model runner holds (token-pool row)
+        size = request_table_size(config.max_num_seqs)
+        self.free_indices = list(range(size - 1, -1, -1))
+        self.by_index: list[Request | None] = [None] * size  # request index -> its request
+        self._released: list[int] = []  # indices released since the last plan
+        self.num_steps = 0  # non-empty plans so far
         self.waiting: deque[Request] = deque()
         self.grammar_waiting: list[Request] = []  # grammar still compiling: not admissible yet
         self.running: list[Request] = []
@@ -89,7 +66,7 @@ class Scheduler:
             self.waiting.append(request)
 
     def promote_grammars(self) -> list[Request]:
-        """Move requests whose grammar compiled into `waiting`; finalize (ABORT, with `error`)
+        """Move requests whose grammar compiled into `waiting`; finish (ABORT, with `error`)
         those whose grammar failed or timed out and return them. Others keep compiling."""
         failed: list[Request] = []
         for req in list(self.grammar_waiting):
@@ -97,7 +74,7 @@ class Scheduler:
                 ready = req.grammar.poll()
             except GrammarError as e:
                 req.error = str(e)
-                self.finalize(req, FinishReason.ABORT)
+                self.finish(req, FinishReason.ABORT)
                 failed.append(req)
                 continue
             if ready:
@@ -108,9 +85,9 @@ class Scheduler:
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
-        if req is None or req.finalized:
+        if req is None or req.finished:
             return None
-        self.finalize(req, FinishReason.ABORT)
+        self.finish(req, FinishReason.ABORT)
         return req
 
     def has_unfinished(self) -> bool:
@@ -126,8 +103,20 @@ class Scheduler:
         return len(self.requests)
 
     # ---- plan ---------------------------------------------------------------------------------
+    @property
+    def has_releases(self) -> bool:
+        """Request indices were released since the last plan (the runner learns it from the
+        next one)."""
+        return bool(self._released)
+
+    def request_at(self, req_index: int) -> Request:
+        req = self.by_index[req_index]
+        assert req is not None, f"no request holds index {req_index}"
+        return req
+
     def plan(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(StepPlan(released=self._released))
+        self._released = []
         budget = self.config.max_num_batched_tokens
         running = RequestStatus.RUNNING
         for req in list(self.running):  # a copy: preemption edits the list
@@ -144,6 +133,9 @@ class Scheduler:
                 self._add_row(req, num_new, out)
                 budget -= num_new
         self._admit_waiting(budget, out)
+        if out.plan.rows:
+            out.plan.step = self.num_steps
+            self.num_steps += 1
         return out
 
     def _reserve(self, req: Request, num_new: int) -> bool:
@@ -151,7 +143,7 @@ class Scheduler:
         while not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):
             victim = self._pick_victim(req)
             self.preempt(victim)
-            if victim is req or not victim.released:
+            if victim is req or victim.req_index is not None:
                 return False  # blocks come back once the victim's in-flight step commits
         return True
 
@@ -177,7 +169,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
-            req.released = False
+            self._take_index(req, out)
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
                 req.num_cached_tokens = prefix.num_tokens
@@ -186,12 +178,25 @@ class Scheduler:
             self._add_row(req, num_new, out)
             budget -= num_new
 
+    def _take_index(self, req: Request, out: SchedulerOutput) -> None:
+        """The request enters the runner's table: with everything it knows (a waiting request
+        has nothing in flight, so its known tokens are its committed ones)."""
+        i = req.req_index = self.free_indices.pop()
+        self.by_index[i] = req
+        k = req.params.prompt_logprobs
+        out.plan.new_requests.append(NewRequest(
+            i, req.all_token_ids, req.sampling,
+            -1 if k is None or req.prompt_logprobs_done else k))
+        out.admitted.append(req)
+
     def _add_row(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
         start = req.num_computed_tokens
         sample = start + num_new == req.num_known_tokens
-        out.rows.append(ScheduledRow(req, start, num_new, sample, req.num_planned_outputs,
-                                    self.kv.block_table(req.request_id)))
-        out.num_tokens += num_new
+        out.plan.rows.append(ScheduledRow(req.req_index, start, num_new, sample,
+                                          req.num_planned_outputs,
+                                          self.kv.block_table(req.request_id)))
+        out.requests.append(req)
+        out.plan.num_tokens += num_new
         req.num_computed_tokens += num_new
         req.num_pending += int(sample)
         req.inflight_refs += 1  # the launch reference, dropped by commit()
@@ -207,15 +212,16 @@ class Scheduler:
         self._maybe_release(req)
 
     # ---- commit -------------------------------------------------------------------------------
-    def commit(self, rows: list[ScheduledRow], tokens: list[CommittedToken | None]) -> list[Request]:
-        """Apply one step's results; return the requests that got a token or were finalized."""
+    def commit(self, step: SchedulerOutput, tokens: list[CommittedToken | None],
+               grammar_ended: frozenset[int] = frozenset()) -> list[Request]:
+        """Apply one step's results (`grammar_ended`: request indices whose grammar took its stop
+        token); return the requests that got a token or were finished."""
         touched: list[Request] = []
-        for row, tok in zip(rows, tokens):
-            req = row.request
+        for row, req, tok in zip(step.plan.rows, step.requests, tokens):
             if row.sample:
                 req.num_pending -= 1
-                if not req.finalized and tok is not None:
-                    self._append(req, tok)
+                if not req.finished and tok is not None:
+                    self._append(req, tok, row.req_index in grammar_ended)
                     touched.append(req)
             req.inflight_refs -= 1
             if req.status is RequestStatus.RUNNING:
@@ -231,7 +237,7 @@ class Scheduler:
         """Append a step's prompt logprobs; tokens already collected (scored again by the
         recompute of a preempted request) are skipped."""
         for s in scores:
-            req = s.request
+            req = self.request_at(s.req_index)  # held: the scored step is not committed yet
             if req.prompt_logprobs is None:
                 continue
             text = self._text_for(req)
@@ -244,19 +250,20 @@ class Scheduler:
     def _text_for(self, req: Request) -> TokenText | None:
         return self.token_text if req.params.detokenize else None
 
-    def _append(self, req: Request, tok: CommittedToken) -> None:
+    def _append(self, req: Request, tok: CommittedToken, grammar_ended: bool) -> None:
         req.output_token_ids.append(tok.token_id)
-        if tok.logprob is not None:
+        want = req.params.logprobs
+        if want is not None and tok.logprob is not None:
             req.cumulative_logprob += tok.logprob
             req.logprobs.append(logprob_entry(tok.token_id, tok.logprob, tok.rank or 0,
-                                              tok.top_ids or (), tok.top_logprobs or (),
+                                              (tok.top_ids or ())[:want],
+                                              (tok.top_logprobs or ())[:want],
                                               self._text_for(req)))
         stop_str = req.detokenizer.update(tok.token_id) if req.detokenizer else None
-        grammar_done = req.grammar is not None and req.grammar.terminated
-        reason = FinishReason.STOP if grammar_done else self._check_stop(req, tok.token_id,
-                                                                          stop_str)
+        reason = FinishReason.STOP if grammar_ended else self._check_stop(req, tok.token_id,
+                                                                           stop_str)
         if reason is not None:
-            self.finalize(req, reason)
+            self.finish(req, reason)
 
     def reject_grammars(self, requests: list[Request]) -> None:
         """Their matchers refused the token commit appended. The mask makes that impossible, so
@@ -266,13 +273,13 @@ class Scheduler:
                            f"{req.output_token_ids[-1]}")
 
     def fail(self, req: Request, error: str) -> None:
-        """End `req` with ABORT and `error`, also when it was already finalized (its output must
+        """End `req` with ABORT and `error`, also when it was already finished (its output must
         not look complete); the other requests go on."""
         req.error = error
-        if req.finalized:
+        if req.finished:
             req.finish_reason = FinishReason.ABORT
         else:
-            self.finalize(req, FinishReason.ABORT)
+            self.finish(req, FinishReason.ABORT)
 
     def fail_grammars(self, error: str) -> list[Request]:
         """The grammar executor failed (its worker died): no matcher state is left, so every
@@ -280,7 +287,7 @@ class Scheduler:
         failed = [r for r in (*self.running, *self.waiting) if r.grammar is not None]
         for req in failed:
             req.error = error
-            self.finalize(req, FinishReason.ABORT)
+            self.finish(req, FinishReason.ABORT)
         return failed
 
     def _check_stop(self, req: Request, token_id: int, stop_str: str | None) -> FinishReason | None:
@@ -298,9 +305,9 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def finalize(self, req: Request, reason: FinishReason) -> None:
+    def finish(self, req: Request, reason: FinishReason) -> None:
         """The request's output is final now; its rows still in flight become zombies."""
-        req.finalized = True
+        req.finished = True
         req.finish_reason = reason
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
@@ -312,18 +319,20 @@ class Scheduler:
         self._maybe_release(req)
 
     def _maybe_release(self, req: Request) -> None:
-        """Invariant: KV blocks and the pool row are released only when nothing in flight reads them.
-        A preempted request may already be released when it is finalized (aborted while waiting):
-        then only its bookkeeping entry goes."""
+        """Invariant: KV blocks and the request index are released only when nothing in flight
+        reads them. A preempted request may already be released when it is finished (aborted
+        while waiting): then only its bookkeeping entry goes."""
         if req.inflight_refs > 0:
             return
         if req.status not in (RequestStatus.PREEMPTED, RequestStatus.FINISHED):
             return
-        if not req.released:
+        if req.req_index is not None:
             self.kv.free(req.request_id)
-            self.on_release(req)
-            req.released = True
-        if req.finalized:
+            self.by_index[req.req_index] = None
+            self.free_indices.append(req.req_index)
+            self._released.append(req.req_index)
+            req.req_index = None
+        if req.finished:
             self.requests.pop(req.request_id, None)
             if req.grammar is not None:
                 req.grammar.release()

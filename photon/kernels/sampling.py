@@ -27,15 +27,16 @@ import torch
 import triton
 import triton.language as tl
 
+from photon.core import sampling as rng
 from photon.kernels.bitmask import allowed
 from photon.structured.bitmask import TokenMask
 
-# Hash constants: must equal those in photon/worker/sampler.py (tests check the bits).
-_MUL_A = tl.constexpr(0x21F0AAAD)
-_MUL_B = tl.constexpr(0x735A2D97)
-_ROW_SALT = tl.constexpr(0x5BD1E995)
-_CTR_SALT = tl.constexpr(0x1B873593)
-_VOCAB_SALT = tl.constexpr(0x68E31DA4)
+# The noise hash's constants (photon.core.sampling: the torch sampler reads the same ones).
+_MUL_A = tl.constexpr(rng.MUL_A)
+_MUL_B = tl.constexpr(rng.MUL_B)
+_ROW_SALT = tl.constexpr(rng.ROW_SALT)
+_CTR_SALT = tl.constexpr(rng.CTR_SALT)
+_VOCAB_SALT = tl.constexpr(rng.VOCAB_SALT)
 _NEG_INF_KEY = tl.constexpr(-0x7F800000)  # _ordered(-inf)
 
 _SEARCH_STEPS = tl.constexpr(8)  # 17**8 > 2**32 > the number of ordered keys in [-inf, inf]

@@ -26,8 +26,6 @@ import weakref
 from concurrent.futures import Future
 from functools import partial
 
-import numpy as np
-
 from photon.structured.backend import GrammarBackend, GrammarError, create_backend
 from photon.structured.bitmask import TokenMask
 from photon.structured.compile_pool import COMPILE_SLOTS, CompilePool, is_heavy
@@ -61,13 +59,8 @@ class StructuredOutputManager:
         # The backend's threads for a step's mask fills (in whichever process fills).
         self.fill_threads = fill_threads
         self.worker, self.max_rows, self.cuda = worker, max_rows, cuda
-        self._submitted = np.zeros(0, dtype=np.int64)  # the handles that accept in the job in flight
         self._in_flight = False  # a job was submitted and not waited for
         self._closing: list[int] = []  # released while a job was in flight: closed after it
-        # By handle (engine thread only); weak: no cycle back to the manager, so a dropped engine
-        # ends its worker without waiting for the garbage collector.
-        self.open_grammars: weakref.WeakValueDictionary[int, RequestGrammar] = \
-            weakref.WeakValueDictionary()
 
     @property
     def backend(self) -> GrammarBackend:
@@ -177,16 +170,16 @@ class StructuredOutputManager:
     def pool(self) -> CompilePool:
         return self._pool
 
-    def request_grammar(self, spec: StructuredOutputsParams) -> RequestGrammar:
+    def request_grammar(self, spec: StructuredOutputsParams, start_after: int | None = None
+                        ) -> RequestGrammar:
         return RequestGrammar(self, spec.key(), self.compile(spec, pin=True),
-                              time.monotonic() + self.timeout_s)
+                              time.monotonic() + self.timeout_s, start_after)
 
     def submit(self, job: StepJob, mask: TokenMask | None, index: int = 0) -> None:
         """One step's job: the accepts (step t's committed tokens), then the fills of step t+1's
         grammar rows into `mask` (the other rows were set by `GrammarRows.fill`), a view of the
         executor's mask buffer `index`."""
         self.executor.submit(job, mask, index)
-        self._submitted = job.acc_handles  # read only if a token is rejected
         self._in_flight = True
 
     @property
@@ -194,12 +187,12 @@ class StructuredOutputManager:
         """Whether a submitted job was not waited for yet."""
         return self._in_flight
 
-    def wait(self) -> list[RequestGrammar]:
-        """Until the submitted job is done; the grammars that rejected their token."""
+    def wait(self) -> list[int]:
+        """Until the submitted job is done; the indices into its accepts that rejected their
+        token."""
         self._in_flight = False
         try:
-            found = (self.open_grammars.get(int(self._submitted[i])) for i in self.executor.wait())
-            return [g for g in found if g is not None]  # None: its request is gone
+            return self.executor.wait()
         finally:
             self._close_pending()
 
@@ -214,7 +207,6 @@ class StructuredOutputManager:
 
     def _close_pending(self) -> None:
         for handle in self._closing:
-            self.open_grammars.pop(handle, None)
             try:
                 self.executor.close(handle)
             except RuntimeError:
@@ -238,17 +230,15 @@ class RequestGrammar:
     """One sequence's grammar: compiling, then a matcher over its committed output tokens."""
 
     def __init__(self, manager: StructuredOutputManager, key: tuple, future: Future,
-                 deadline: float) -> None:
+                 deadline: float, start_after: int | None = None) -> None:
         self.manager = manager
         self.key = key
         self.future = future
         self.deadline = deadline
         self.handle: int | None = None  # the executor's matcher handle, once compiled
-        self.terminated = False  # its stop token was committed: no more tokens
         # Reasoning gate: the grammar starts after this token (the end of the reasoning) is
-        # committed; until then masks allow all and the matcher sees nothing. None: no gate
-        # (never set, or the token came). Owned by GrammarRows once the request runs.
-        self.start_after: int | None = None
+        # committed; until then masks allow all and the matcher sees nothing. None: no gate.
+        self.start_after = start_after
         self._pinned = True  # its cache entry stays until its matcher is open (or it ends)
 
     def poll(self) -> bool:
@@ -270,7 +260,6 @@ class RequestGrammar:
             if not executor.ready():
                 return False
             self.handle = executor.open(self.key, self.future.result())
-            self.manager.open_grammars[self.handle] = self
         except RuntimeError as e:  # the grammar worker is gone: this request fails, not the engine
             raise GrammarError(f"structured outputs are unavailable: {e}") from None
         self._unpin()

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from photon.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
+from photon.core.inputs import StepInputs
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -93,28 +94,30 @@ class DecodeGraphs:
                 self.graphs[(batch, width)] = (graph, out)
         torch.cuda.synchronize()
 
-    def run(self, key: tuple[int, int], dev: dict[str, torch.Tensor], num_rows: int
+    def run(self, key: tuple[int, int], dev: StepInputs[torch.Tensor], num_rows: int
             ) -> torch.Tensor:
         batch, width = key
         s = self.static
-        s.pool_idx[:batch].copy_(dev["pool_idx"])
-        s.positions[:batch].copy_(dev["positions"])
-        s.slot_mapping[:batch].copy_(dev["slot_mapping"])
-        s.seq_lens[:batch].copy_(dev["seq_lens"])
-        s.block_tables[width][:batch].copy_(dev["block_tables"].view(batch, width))
+        s.pool_idx[:batch].copy_(dev.pool_idx)
+        s.positions[:batch].copy_(dev.positions)
+        s.slot_mapping[:batch].copy_(dev.slot_mapping)
+        s.seq_lens[:batch].copy_(dev.seq_lens)
+        s.block_tables[width][:batch].copy_(dev.block_tables.view(batch, width))
         graph, out = self.graphs[key]
         graph.replay()
         self.replays += 1
         return out[:num_rows]
 
 
-def pad_decode_arrays(ints: dict[str, np.ndarray], num_rows: int, batch: int, width: int) -> None:
+def pad_decode_inputs(inputs: StepInputs[np.ndarray], num_rows: int, batch: int, width: int
+                      ) -> None:
     """Pad a decode step's host arrays in place to the graph's batch and block-table width."""
-    pad = batch - num_rows
-    for name in ("positions", "pool_idx", "slot_mapping"):
-        ints[name] = np.concatenate([ints[name], np.zeros(pad, dtype=np.int64)])
-    ints["seq_lens"] = np.concatenate([ints["seq_lens"], np.ones(pad, dtype=np.int64)])
+    pad = np.zeros(batch - num_rows, dtype=np.int64)
+    inputs.positions = np.concatenate([inputs.positions, pad])
+    inputs.pool_idx = np.concatenate([inputs.pool_idx, pad])
+    inputs.slot_mapping = np.concatenate([inputs.slot_mapping, pad])
+    inputs.seq_lens = np.concatenate([inputs.seq_lens, pad + 1])
     tables = np.zeros((batch, width), dtype=np.int64)
-    old = ints["block_tables"]
+    old = inputs.block_tables
     tables[: old.shape[0], : old.shape[1]] = old
-    ints["block_tables"] = tables
+    inputs.block_tables = tables

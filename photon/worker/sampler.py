@@ -12,12 +12,12 @@ the batch composition, row order or pipelining, without a torch.Generator per re
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from photon.core.sampling import CTR_SALT, M32, MUL_A, MUL_B, ROW_SALT, VOCAB_SALT
 from photon.kernels import USE_TRITON
 from photon.structured.bitmask import TokenMask, apply_token_bitmask
 
@@ -26,16 +26,6 @@ if USE_TRITON:
     from photon.kernels import sampling as fused_sampling
 
 GREEDY_EPS = 1e-5  # rows with temperature below this are greedy (matches SamplingParams.greedy)
-
-_M32 = 0xFFFFFFFF
-_M64 = 0xFFFFFFFFFFFFFFFF
-# Hash multipliers are odd and < 2**31: a 32-bit value times one is < 2**63, so the int64
-# product never overflows and CPU and CUDA produce identical bits.
-_MUL_A = 0x21F0AAAD
-_MUL_B = 0x735A2D97
-_ROW_SALT = 0x5BD1E995  # separates the key's high word from the low word
-_CTR_SALT = 0x1B873593  # separates the counter from the key
-_VOCAB_SALT = 0x68E31DA4  # separates token ids from row seeds
 
 
 @dataclass
@@ -46,7 +36,7 @@ class SamplingBatch:
     top_k: Tensor  # [R] int32; 0 = off
     top_p: Tensor  # [R] float32; 1.0 = off
     min_p: Tensor  # [R] float32; 0.0 = off
-    keys: Tensor  # [R] int64 per-request random key (derive_key)
+    keys: Tensor  # [R] int64 per-request random key (photon.core.sampling.derive_key)
     counters: Tensor  # [R] int64 output index of the token being sampled
     presence_penalty: Tensor  # [R] float32
     frequency_penalty: Tensor  # [R] float32
@@ -81,62 +71,40 @@ class SamplerOutput:
     topk_logprobs: Tensor | None  # [R, max_logprobs] float32
 
 
-# ----------------------------------------------------------------------------- keys / noise
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-def derive_key(seed: int, child_index: int = 0) -> int:
-    """Host helper: a 62-bit non-negative key from a (possibly negative) seed and child index.
-
-    Children of an n>1 request pass distinct child_index values and so get distinct streams.
-    """
-    h = _splitmix64(seed & _M64)
-    h = _splitmix64(h ^ (child_index & _M64))
-    return h >> 2
-
-
-def random_key() -> int:
-    """Host helper: a fresh 62-bit key for unseeded requests."""
-    return random.getrandbits(62)
+# ----------------------------------------------------------------------------- noise
 
 
 def _mix32(x: Tensor) -> Tensor:
     """Bijective 32-bit integer hash on int64 tensors holding values in [0, 2**32)."""
     x = x ^ (x >> 16)
-    x = (x * _MUL_A) & _M32
+    x = (x * MUL_A) & M32
     x = x ^ (x >> 15)
-    x = (x * _MUL_B) & _M32
+    x = (x * MUL_B) & M32
     return x ^ (x >> 15)
 
 
 def _mix32_(x: Tensor) -> Tensor:
     """In-place `_mix32` for the large [R, V] tensor (saves allocations)."""
-    x.bitwise_xor_(x >> 16).mul_(_MUL_A).bitwise_and_(_M32)
-    x.bitwise_xor_(x >> 15).mul_(_MUL_B).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 16).mul_(MUL_A).bitwise_and_(M32)
+    x.bitwise_xor_(x >> 15).mul_(MUL_B).bitwise_and_(M32)
     return x.bitwise_xor_(x >> 15)
 
 
 def _row_seeds(keys: Tensor, counters: Tensor) -> Tensor:
     """[R] 32-bit seeds from the full 64 bits of key and counter (negative values included)."""
     keys, counters = keys.long(), counters.long()
-    # `& _M32` on two's-complement int64 extracts the words exactly, even for negatives.
-    s = _mix32(((keys >> 32) & _M32) ^ _ROW_SALT)
-    s = _mix32(s ^ (keys & _M32))
-    s = _mix32(s ^ ((counters >> 32) & _M32) ^ _CTR_SALT)
-    return _mix32(s ^ (counters & _M32))
+    # `& M32` on two's-complement int64 extracts the words exactly, even for negatives.
+    s = _mix32(((keys >> 32) & M32) ^ ROW_SALT)
+    s = _mix32(s ^ (keys & M32))
+    s = _mix32(s ^ ((counters >> 32) & M32) ^ CTR_SALT)
+    return _mix32(s ^ (counters & M32))
 
 
 def noise_bits(keys: Tensor, counters: Tensor, vocab_size: int) -> Tensor:
     """[R, V] int64 in [0, 2**32): a deterministic hash of (keys[r], counters[r], v)."""
     seeds = _row_seeds(keys, counters)
     vocab = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)
-    vocab = _mix32(vocab ^ _VOCAB_SALT)
+    vocab = _mix32(vocab ^ VOCAB_SALT)
     return _mix32_(seeds[:, None] ^ vocab[None, :])
 
 

@@ -44,30 +44,30 @@ def test_grammar_pipelined_equals_blocking_cuda() -> None:
 
 
 def test_engine_thread_never_waits_for_masks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the grammar worker on CUDA, finalize enqueues the masks behind the worker's fence
-    word and returns: every job is collected at the next commit, none inside finalize."""
+    """With the grammar worker on CUDA, sample enqueues the masks behind the worker's fence
+    word and returns: every job is collected at the next commit, none inside sample."""
     llm = LLM(pipelined=True, **{**KW, "num_gpu_blocks_override": 40, "max_model_len": 160})
     runner, manager = llm.engine.runner, llm.engine.structured
-    where = {"finalize": 0, "elsewhere": 0}
+    where = {"sample": 0, "elsewhere": 0}
     inside = {"now": False}
-    real_finalize, real_wait = runner.finalize, manager.wait
+    real_sample, real_wait = runner.sample, manager.wait
 
-    def finalize(h: object) -> None:
+    def sample(h: object) -> None:
         inside["now"] = True
         try:
-            real_finalize(h)
+            real_sample(h)
         finally:
             inside["now"] = False
 
     def wait() -> list:
-        where["finalize" if inside["now"] else "elsewhere"] += 1
+        where["sample" if inside["now"] else "elsewhere"] += 1
         return real_wait()
 
-    monkeypatch.setattr(runner, "finalize", finalize)
+    monkeypatch.setattr(runner, "sample", sample)
     monkeypatch.setattr(manager, "wait", wait)
     specs = _specs()
     outs, _ = run(llm, specs)
-    assert where["finalize"] == 0 and where["elsewhere"] > 20
+    assert where["sample"] == 0 and where["elsewhere"] > 20
     assert len(outs) == len(specs)
 
 
@@ -101,7 +101,7 @@ def test_grammar_batch_no_hidden_sync(sync_debug_error: list[int]) -> None:  # n
 
 def test_late_worker_stalls_the_gpu_not_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """The grammar worker is stopped (SIGSTOP) just before a mid-run job is submitted and resumed
-    0.3 s later: after finalize that step's mask copy is still waiting on the device (the GPU
+    0.3 s later: after sample that step's mask copy is still waiting on the device (the GPU
     waits on the fence word, the engine thread went on), and every output equals the blocking
     loop's."""
     import signal
@@ -111,27 +111,27 @@ def test_late_worker_stalls_the_gpu_not_the_tokens(monkeypatch: pytest.MonkeyPat
     kw = {**KW, "num_gpu_blocks_override": 40, "max_model_len": 160}
     blocking, _ = run(LLM(pipelined=False, **kw), specs)
     llm = LLM(pipelined=True, **kw)
-    runner = llm.engine.runner
-    real_begin, real_finalize = runner.begin_grammar_step, runner.finalize
+    runner, grammar = llm.engine.runner, llm.engine.grammar
+    real_begin, real_sample = grammar.begin, runner.sample
     state: dict = {"calls": 0, "stopped": None, "waiting": None}
 
-    def begin(committed: object, h: object) -> None:
+    def begin(committed: object, sampled: object, upcoming: int | None) -> frozenset[int]:
         state["calls"] += 1
-        if state["stopped"] is None and state["calls"] >= 10 and h is not None \
-                and h.arrays.flags["any_grammar"]:
+        if state["stopped"] is None and state["calls"] >= 10 and upcoming is not None \
+                and upcoming in grammar._planned:
             proc = llm.engine.structured.executor.proc
             proc.send_signal(signal.SIGSTOP)
             threading.Timer(0.3, proc.send_signal, (signal.SIGCONT,)).start()
-            state["stopped"] = h
-        real_begin(committed, h)
+            state["stopped"] = upcoming
+        return real_begin(committed, sampled, upcoming)
 
-    def finalize(h: object) -> None:
-        real_finalize(h)
-        if h is state["stopped"]:
+    def sample(h: object) -> None:
+        real_sample(h)
+        if h.step == state["stopped"]:
             state["waiting"] = not h.slot.mask_ready.query()
 
-    monkeypatch.setattr(runner, "begin_grammar_step", begin)
-    monkeypatch.setattr(runner, "finalize", finalize)
+    monkeypatch.setattr(grammar, "begin", begin)
+    monkeypatch.setattr(runner, "sample", sample)
     pipelined, _ = run(llm, specs)
     assert state["stopped"] is not None and state["waiting"] is True
     assert pipelined == blocking
