@@ -33,7 +33,6 @@ from photon.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, Req
 from photon.reasoning import ReasoningParser, get_reasoning_parser
 from photon.sampling_params import SamplingParams
 from photon.structured.manager import StructuredOutputManager
-from photon.structured.params import GrammarLimits
 from photon.tokenizer import Tokenizer
 from photon.worker.model_runner import ModelRunner
 from photon.worker.sampler import derive_key
@@ -77,13 +76,8 @@ class EngineCore:
         self.reasoning: ReasoningParser | None = None if config.reasoning_parser is None \
             else get_reasoning_parser(config.reasoning_parser)(self.tokenizer)
         self.structured = StructuredOutputManager(
-            config.structured_outputs_backend, self.tokenizer, config.model.vocab_size,
-            config.structured_outputs_timeout, fill_threads=config.structured_outputs_threads,
-            worker=config.structured_outputs_worker,
-            max_rows=config.scheduler.max_num_seqs, cuda=config.device == "cuda",
-            limits=GrammarLimits(config.structured_outputs_max_chars,
-                                 config.structured_outputs_max_choices),
-            cache_bytes=config.structured_outputs_cache_mb << 20)
+            config.structured_outputs, self.tokenizer, config.model.vocab_size,
+            max_rows=config.scheduler.max_num_seqs, cuda=config.device == "cuda")
         self.runner = ModelRunner(config, structured=self.structured, on_fault=self._fail_request)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)

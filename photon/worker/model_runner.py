@@ -109,14 +109,14 @@ class ModelRunner:
         max_seqs = config.scheduler.max_num_seqs
         # Finalized (zombie) and preempted requests keep their row for at most one more step.
         num_pool_rows = 2 * max_seqs + 1
-        self.pool_width = config.scheduler.max_model_len + 1
+        self.pool_width = config.model.max_model_len + 1
         self.token_pool = torch.zeros(num_pool_rows, self.pool_width, dtype=torch.int32,
                                       device=self.device)
         self.num_pool_rows = num_pool_rows
         self.row_state = RowState(num_pool_rows, math.ceil(self.pool_width / self.block_size))
         self.free_pool_rows = list(range(num_pool_rows - 1, -1, -1))
         self.streams = Streams(self.device,
-                               device_waits=config.structured_outputs_mask_wait == "device")
+                               device_waits=config.structured_outputs.mask_wait == "device")
         tokens = config.scheduler.max_num_batched_tokens
         # Backends cover at most the model's vocabulary: the widest masks a step can have.
         mask_size = mask_numel(max_seqs, bitmask_width(mc.vocab_size))
@@ -146,7 +146,7 @@ class ModelRunner:
         """Usable blocks + the reserved null block 0. Refuses to start when one max_model_len
         request would not fit (every long request would fail)."""
         usable, remedy = self._usable_blocks()
-        check_kv_capacity(usable, self.block_size, self.config.scheduler.max_model_len, remedy)
+        check_kv_capacity(usable, self.block_size, self.config.model.max_model_len, remedy)
         return usable + 1
 
     def _usable_blocks(self) -> tuple[int, str]:
@@ -165,7 +165,7 @@ class ModelRunner:
             remedy = (f"set {flag('kv_cache_memory_bytes')} above the CPU default of "
                       f"{CPU_DEFAULT_KV_BYTES >> 20} MiB")
         sched = self.config.scheduler
-        useful = sched.max_num_seqs * math.ceil(sched.max_model_len / self.block_size)
+        useful = sched.max_num_seqs * math.ceil(self.config.model.max_model_len / self.block_size)
         return max(0, min(budget // self.kv_bytes_per_block() - 1, useful)), remedy
 
     def _cuda_kv_budget(self) -> int:
