@@ -7,7 +7,6 @@ and returns the frozen `EngineConfig` that every component reads. Nothing mutate
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -229,17 +228,18 @@ class EngineArgs:
 
     def create_config(self) -> EngineConfig:
         from photon.generation_config import load_generation_defaults
+        from photon.model.hf_config import architecture, check_required_fields, load_hf_config
         from photon.model.tiny import resolve_model_path
 
         model_dir = resolve_model_path(self.model, self.revision, self.download_dir)
         hf_config = load_hf_config(model_dir)
-        architecture = _architecture(hf_config)
-        _check_required_fields(hf_config, model_dir)
+        arch = architecture(hf_config)
+        check_required_fields(hf_config, model_dir)
         device = _resolve_device(self.device)
         model_config = ModelConfig(
             model=model_dir,
             hf_config=hf_config,
-            architecture=architecture,
+            architecture=arch,
             dtype=_resolve_dtype(self.dtype, hf_config, device),
             max_model_len=_resolve_max_len(self.max_model_len, hf_config),
             vocab_size=int(hf_config["vocab_size"]),
@@ -368,45 +368,6 @@ def _positive(name: str, value: int) -> None:
 def _non_negative(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
-
-
-def load_hf_config(model_dir: str) -> dict[str, Any]:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise ConfigError(f"model directory {model_dir!r} has no config.json")
-    with open(path, encoding="utf-8") as f:
-        try:
-            cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
-    if "text_config" in cfg and "num_hidden_layers" not in cfg:
-        cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
-    return cfg
-
-
-_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads")
-
-
-def _check_required_fields(hf_config: dict[str, Any], model_dir: str) -> None:
-    missing = [name for name in _REQUIRED_FIELDS if not isinstance(hf_config.get(name), int)]
-    if missing:
-        raise ConfigError(f"{os.path.join(model_dir, 'config.json')} lacks integer fields "
-                          f"{', '.join(missing)}")
-
-
-def _architecture(hf_config: dict[str, Any]) -> str:
-    from photon.model.registry import supported_architectures
-
-    archs = hf_config.get("architectures") or []
-    for arch in archs:
-        if arch in supported_architectures():
-            return arch
-    raise ConfigError(
-        f"unsupported architecture {archs or '(none given in config.json)'}; "
-        f"supported: {', '.join(supported_architectures())}")
 
 
 def _resolve_device(device: str) -> str:

@@ -14,8 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from photon.attention.backend import AttentionMetadata, ForwardContext
 from photon.attention.torch_ref import TorchReferenceBackend
-from photon.config import ConfigError, ModelConfig, load_hf_config
+from photon.config import ConfigError, ModelConfig
 from photon.kernels import has_triton
+from photon.model.hf_config import load_hf_config
 from photon.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from photon.model.layers.rotary import rope_settings
 from photon.model.loader import load_model
