@@ -7,7 +7,6 @@ and returns the frozen `EngineConfig` that every component reads. Nothing mutate
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from photon.reasoning import get_reasoning_parser, reasoning_parser_names
+from photon.structured.params import GrammarLimits
 
 if TYPE_CHECKING:
     from photon.generation_config import GenerationDefaults
@@ -45,6 +45,9 @@ class ModelConfig:
     load_format: str = "auto"
     # The model's default sampling parameters (--generation-config); None: photon's own defaults.
     generation_defaults: GenerationDefaults | None = None
+    # The layers run photon.kernels' Triton kernels on CUDA tensors (else the torch ops).
+    # create_config: on CUDA when triton imports, unless the environment has PHOTON_TRITON=0.
+    use_triton: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -74,7 +77,46 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
-    max_model_len: int
+
+
+_GRAMMAR_WORKERS = ("process", "inline")
+_MASK_WAITS = ("device", "host")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """The --structured-outputs-* engine arguments. Their defaults live in EngineArgs only; the
+    fields are checked here, so a config built by hand is checked too (messages name the flags)."""
+
+    backend: str  # the grammar library (photon.structured.backend's registry)
+    timeout_s: float  # a request's grammar may take this long to compile, from its arrival
+    threads: int  # threads filling a step's next-token masks
+    worker: str  # process: a grammar-worker process; inline: the engine thread
+    mask_wait: str  # device: the GPU waits for the masks; host: the engine thread does
+    max_chars: int  # longest spec, in characters; 0 = no limit
+    max_choices: int  # most entries in a choice list; 0 = no limit
+    cache_mb: int  # compiled grammars kept for reuse, in MiB
+
+    def __post_init__(self) -> None:
+        timeout = self.timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"structured_outputs_timeout must be a number of seconds > 0, "
+                              f"got {timeout!r}")
+        object.__setattr__(self, "timeout_s", float(timeout))
+        _positive("structured_outputs_threads", self.threads)
+        _check_choice("structured_outputs_worker", self.worker, _GRAMMAR_WORKERS)
+        _check_choice("structured_outputs_mask_wait", self.mask_wait, _MASK_WAITS)
+        for name in ("max_chars", "max_choices", "cache_mb"):
+            _non_negative(f"structured_outputs_{name}", getattr(self, name))
+        _grammar_backend(self.backend)
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache_mb << 20
+
+    @property
+    def limits(self) -> GrammarLimits:
+        return GrammarLimits(self.max_chars, self.max_choices)
 
 
 @dataclass(frozen=True)
@@ -85,15 +127,8 @@ class EngineConfig:
     device: str
     pipelined: bool
     enforce_eager: bool
-    attention_backend: str
-    structured_outputs_backend: str = "xgrammar"
-    structured_outputs_timeout: float = 30.0
-    structured_outputs_threads: int = 8
-    structured_outputs_worker: str = "process"
-    structured_outputs_mask_wait: str = "device"
-    structured_outputs_max_chars: int = 65536
-    structured_outputs_max_choices: int = 1024
-    structured_outputs_cache_mb: int = 512
+    attention_backend: str  # resolved: never "auto"
+    structured_outputs: StructuredOutputsConfig
     reasoning_parser: str | None = None
 
     @property
@@ -108,8 +143,6 @@ def _help(text: str, choices: tuple[str, ...] = ()) -> dict[str, Any]:
 
 _DEVICES = ("auto", "cuda", "cpu")
 _LOAD_FORMATS = ("auto", "dummy")
-_GRAMMAR_WORKERS = ("process", "inline")
-_MASK_WAITS = ("device", "host")
 
 
 @dataclass
@@ -195,17 +228,18 @@ class EngineArgs:
 
     def create_config(self) -> EngineConfig:
         from photon.generation_config import load_generation_defaults
+        from photon.model.hf_config import architecture, check_required_fields, load_hf_config
         from photon.model.tiny import resolve_model_path
 
         model_dir = resolve_model_path(self.model, self.revision, self.download_dir)
         hf_config = load_hf_config(model_dir)
-        architecture = _architecture(hf_config)
-        _check_required_fields(hf_config, model_dir)
+        arch = architecture(hf_config)
+        check_required_fields(hf_config, model_dir)
         device = _resolve_device(self.device)
         model_config = ModelConfig(
             model=model_dir,
             hf_config=hf_config,
-            architecture=architecture,
+            architecture=arch,
             dtype=_resolve_dtype(self.dtype, hf_config, device),
             max_model_len=_resolve_max_len(self.max_model_len, hf_config),
             vocab_size=int(hf_config["vocab_size"]),
@@ -213,6 +247,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or _default_name(self.model, model_dir),
             load_format=_check_choice("load_format", self.load_format, _LOAD_FORMATS),
             generation_defaults=load_generation_defaults(self.generation_config, model_dir),
+            use_triton=resolve_use_triton(device),
         )
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -220,40 +255,35 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not isinstance(self.structured_outputs_timeout, (int, float)) \
-                or not self.structured_outputs_timeout > 0:
-            raise ConfigError(f"structured_outputs_timeout must be a number of seconds > 0, "
-                              f"got {self.structured_outputs_timeout!r}")
-        for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override",
-                     "structured_outputs_threads"):
+        for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override"):
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value)
-        for name in ("structured_outputs_max_chars", "structured_outputs_max_choices",
-                     "structured_outputs_cache_mb"):
-            _non_negative(name, getattr(self, name))
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization,
                               self.kv_cache_memory_bytes, self.num_gpu_blocks_override,
                               self.enable_prefix_caching),
-            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
-                                      model_config.max_model_len),
+            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens),
             device=device,
             pipelined=self.pipelined,
             enforce_eager=self.enforce_eager,
-            attention_backend=self.attention_backend,
-            structured_outputs_backend=self.structured_outputs_backend,
-            structured_outputs_timeout=float(self.structured_outputs_timeout),
-            structured_outputs_threads=self.structured_outputs_threads,
-            structured_outputs_worker=_check_choice(
-                "structured_outputs_worker", self.structured_outputs_worker, _GRAMMAR_WORKERS),
-            structured_outputs_mask_wait=_check_choice(
-                "structured_outputs_mask_wait", self.structured_outputs_mask_wait, _MASK_WAITS),
-            structured_outputs_max_chars=self.structured_outputs_max_chars,
-            structured_outputs_max_choices=self.structured_outputs_max_choices,
-            structured_outputs_cache_mb=self.structured_outputs_cache_mb,
+            attention_backend=_attention_backend(self.attention_backend, device),
+            structured_outputs=self.structured_outputs_config(),
             reasoning_parser=_reasoning_parser(self.reasoning_parser),
+        )
+
+    def structured_outputs_config(self) -> StructuredOutputsConfig:
+        """The --structured-outputs-* arguments, checked (ConfigError naming the flag)."""
+        return StructuredOutputsConfig(
+            backend=self.structured_outputs_backend,
+            timeout_s=self.structured_outputs_timeout,
+            threads=self.structured_outputs_threads,
+            worker=self.structured_outputs_worker,
+            mask_wait=self.structured_outputs_mask_wait,
+            max_chars=self.structured_outputs_max_chars,
+            max_choices=self.structured_outputs_max_choices,
+            cache_mb=self.structured_outputs_cache_mb,
         )
 
     @classmethod
@@ -304,6 +334,32 @@ def _reasoning_parser(name: str | None) -> str | None:
         raise ConfigError(f"reasoning_parser: {e}") from None
 
 
+def _attention_backend(name: str, device: str) -> str:
+    """The backend the runner builds: `auto` resolved for the device, other names checked."""
+    from photon.attention.backend import resolve_backend_name
+
+    try:
+        return resolve_backend_name(name, device)
+    except ValueError as e:
+        raise ConfigError(f"attention_backend: {e}") from None
+
+
+def _grammar_backend(name: str) -> None:
+    from photon.structured.backend import GRAMMAR_BACKENDS
+
+    if name not in GRAMMAR_BACKENDS:
+        raise ConfigError(f"structured_outputs_backend: {GRAMMAR_BACKENDS.unknown(name)}")
+
+
+def resolve_use_triton(device: str) -> bool:
+    """Whether the model's layers run photon.kernels' Triton kernels: on CUDA when triton
+    imports, unless the process environment has PHOTON_TRITON=0 (the way back to the torch ops,
+    e.g. to compare them). Read by create_config, once per engine; never at import."""
+    from photon.kernels import has_triton
+
+    return device == "cuda" and has_triton() and os.environ.get("PHOTON_TRITON", "1") != "0"
+
+
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -312,45 +368,6 @@ def _positive(name: str, value: int) -> None:
 def _non_negative(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
-
-
-def load_hf_config(model_dir: str) -> dict[str, Any]:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise ConfigError(f"model directory {model_dir!r} has no config.json")
-    with open(path, encoding="utf-8") as f:
-        try:
-            cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
-    if "text_config" in cfg and "num_hidden_layers" not in cfg:
-        cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
-    return cfg
-
-
-_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads")
-
-
-def _check_required_fields(hf_config: dict[str, Any], model_dir: str) -> None:
-    missing = [name for name in _REQUIRED_FIELDS if not isinstance(hf_config.get(name), int)]
-    if missing:
-        raise ConfigError(f"{os.path.join(model_dir, 'config.json')} lacks integer fields "
-                          f"{', '.join(missing)}")
-
-
-def _architecture(hf_config: dict[str, Any]) -> str:
-    from photon.model.registry import supported_architectures
-
-    archs = hf_config.get("architectures") or []
-    for arch in archs:
-        if arch in supported_architectures():
-            return arch
-    raise ConfigError(
-        f"unsupported architecture {archs or '(none given in config.json)'}; "
-        f"supported: {', '.join(supported_architectures())}")
 
 
 def _resolve_device(device: str) -> str:

@@ -281,7 +281,7 @@ BAD_ENGINE: list[tuple[dict[str, Any], list[str], str]] = [
     ({"structured_outputs_mask_wait": "gpu"}, ["--structured-outputs-mask-wait", "gpu"],
      "structured_outputs_mask_wait must be one of device, host; got 'gpu'"),
     ({"attention_backend": "nope"}, ["--attention-backend", "nope"],
-     "unknown attention_backend 'nope'; available: auto, torch, triton"),
+     "attention_backend: unknown attention backend 'nope'; available: auto, torch, triton"),
 ]
 
 

@@ -43,7 +43,7 @@ def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> tor
 
 
 def make_norm(dim: int, dtype: torch.dtype = torch.float32) -> RMSNorm:
-    norm = RMSNorm(dim, eps=1e-5).to(DEVICE, dtype)
+    norm = RMSNorm(dim, eps=1e-5, use_triton=True).to(DEVICE, dtype)
     norm.weight.data.copy_(randn(dim, dtype=dtype, seed=9) + 1)
     return norm
 
@@ -308,14 +308,14 @@ def test_cuda_bf16_layers_match_torch():
     want, want_res = norm.forward_torch(x, res)
     assert torch.equal(new_res, want_res)
     torch.testing.assert_close(out, want)
-    rope = RotaryEmbedding(128, 4096, 500000.0).to(DEVICE)
+    rope = RotaryEmbedding(128, 4096, 500000.0, use_triton=True).to(DEVICE)
     qkv = randn(33, 48 * 128, dtype=bf)
     q, k = qkv[:, : 32 * 128].view(33, 32, 128), qkv[:, 32 * 128: 40 * 128].view(33, 8, 128)
     pos = torch.randint(0, 4096, (33,), device=DEVICE)
     for got, want in zip(rope(pos, q, k), rope.forward_torch(pos, q, k), strict=True):
         # One bf16 ulp apart at most: the kernel fuses the multiply-adds torch rounds separately.
         torch.testing.assert_close(got, want, atol=1e-2, rtol=1.6e-2)
-    act, h = SiluAndMul(), randn(33, 2 * 11008, dtype=bf) * 3
+    act, h = SiluAndMul(use_triton=True), randn(33, 2 * 11008, dtype=bf) * 3
     torch.testing.assert_close(act(h), act.forward_torch(h))
 
 
@@ -359,7 +359,8 @@ def _assert_tokens_agree(got: torch.Tensor, want: torch.Tensor, case: str) -> No
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_graph_capture_of_elementwise_and_sampling_kernels():
     bf = torch.bfloat16
-    norm, rope, act = make_norm(1024, bf), RotaryEmbedding(64, 256, 10000.0).to(DEVICE), SiluAndMul()
+    norm, act = make_norm(1024, bf), SiluAndMul(use_triton=True)
+    rope = RotaryEmbedding(64, 256, 10000.0, use_triton=True).to(DEVICE)
     x, res, h = randn(8, 1024, dtype=bf), randn(8, 1024, dtype=bf, seed=1), randn(8, 512, dtype=bf)
     q, k = randn(8, 8, 64, dtype=bf, seed=2), randn(8, 2, 64, dtype=bf, seed=3)
     pos = torch.arange(8, device=DEVICE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -13,7 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from photon.attention.backend import AttentionMetadata, ForwardContext
 from photon.attention.torch_ref import TorchReferenceBackend
-from photon.config import ConfigError, ModelConfig, load_hf_config
+from photon.config import ConfigError, ModelConfig
+from photon.kernels import has_triton
+from photon.model.hf_config import load_hf_config
+from photon.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from photon.model.layers.rotary import rope_settings
 from photon.model.loader import load_model
 from photon.model.registry import get_model_class, supported_architectures
@@ -25,11 +29,13 @@ PROMPT_LENS = [5, 11, 8]
 NUM_GENERATED = 4
 
 
-def model_config(path: str, dtype: torch.dtype = torch.float32) -> ModelConfig:
+def model_config(path: str, dtype: torch.dtype = torch.float32,
+                 use_triton: bool = False) -> ModelConfig:
     hf = load_hf_config(path)
     return ModelConfig(model=path, hf_config=hf, architecture=hf["architectures"][0], dtype=dtype,
                        max_model_len=int(hf["max_position_embeddings"]),
-                       vocab_size=int(hf["vocab_size"]), seed=0, served_model_name="test")
+                       vocab_size=int(hf["vocab_size"]), seed=0, served_model_name="test",
+                       use_triton=use_triton)
 
 
 @dataclass
@@ -204,8 +210,31 @@ def test_missing_weight_is_named(tmp_path: os.PathLike) -> None:
 def test_registry() -> None:
     assert set(supported_architectures()) >= {"LlamaForCausalLM", "Qwen3ForCausalLM"}
     assert get_model_class("MistralForCausalLM").__name__ == "MistralForCausalLM"
-    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=re.escape(
+            "unknown model architecture 'GPT2LMHeadModel'; available: LlamaForCausalLM, "
+            "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")):
         get_model_class("GPT2LMHeadModel")
+
+
+def _kernels(model: torch.nn.Module) -> list[object]:
+    """The Triton kernel each norm, activation and rope layer of `model` was built with."""
+    found: list[object] = []
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            found += [module.rms_kernel, module.add_rms_kernel]
+        elif isinstance(module, (SiluAndMul, RotaryEmbedding)):
+            found.append(module.kernel)
+    return found
+
+
+@pytest.mark.skipif(not has_triton(), reason="needs triton")
+def test_layers_get_the_triton_switch_from_the_model_config(tmp_path) -> None:  # noqa: ANN001
+    """ModelConfig.use_triton reaches every layer at construction (no global read at import)."""
+    path = make_hf_model(str(tmp_path), "Qwen3ForCausalLM")  # q/k norms too
+    with_triton = _kernels(load_model(model_config(path, use_triton=True), "cpu"))
+    without = _kernels(load_model(model_config(path), "cpu"))
+    assert len(with_triton) == len(without) > 0
+    assert all(callable(k) for k in with_triton) and all(k is None for k in without)
 
 
 def test_rope_settings_both_config_formats() -> None:

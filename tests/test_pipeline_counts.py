@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from photon import LLM, SamplingParams
+from photon.core.step import CommittedToken
 from photon.engine.engine_core import EngineCore
 from photon.engine.request import Request
-from photon.engine.scheduler import CommittedToken, ScheduledRow, SchedulerOutput
+from photon.engine.scheduler import SchedulerOutput
 
 Counts = tuple[int, int]  # (inflight_refs, num_pending)
 
@@ -41,9 +42,10 @@ class CountLog:
             self.phases[-1].append(("plan", before, self.counts()))
             return out
 
-        def commit(rows: list[ScheduledRow], tokens: list[CommittedToken | None]) -> list[Request]:
+        def commit(step: SchedulerOutput, tokens: list[CommittedToken | None],
+                   ended: frozenset[int] = frozenset()) -> list[Request]:
             before = self.counts()
-            touched = orig_commit(rows, tokens)
+            touched = orig_commit(step, tokens, ended)
             self.phases[-1].append(("commit", before, self.counts()))
             return touched
 
@@ -83,10 +85,10 @@ def test_decoding_request_has_two_rows_in_flight_between_calls(pipelined: bool) 
     # Six outputs: rows for outputs 0..5 are planned two ahead of their commits; once the last
     # output is planned no row is added, and the last commit leaves nothing in flight.
     assert log.calls == [(2, 2)] * 5 + [(1, 1), (0, 0)]
-    assert log.req.released and len(log.req.output_token_ids) == 6
+    assert log.req.req_index is None and len(log.req.output_token_ids) == 6
     # The first call plans twice (nothing was staged): the prefill row, then the first decode.
     assert log.phases[0] == [("plan", (0, 0), (1, 1)), ("plan", (1, 1), (2, 2))]
-    # Every steady call: commit(t) drops a row, plan(t+2) adds one (launch and finalize do not
+    # Every steady call: commit(t) drops a row, plan(t+2) adds one (launch and sample do not
     # touch the counters); the same order of plan and commit at both depths.
     for phases in log.phases[1:5]:
         assert phases == [("commit", (2, 2), (1, 1)), ("plan", (1, 1), (2, 2))]
@@ -113,8 +115,8 @@ def test_request_aborted_between_calls_is_released_two_commits_later(pipelined: 
     assert log.calls[-1] == (2, 2)
     core.abort("a")
     log.step(core)
-    assert log.calls[-1] == (1, 1) and log.req.finalized and not log.req.released
+    assert log.calls[-1] == (1, 1) and log.req.finished and log.req.req_index is not None
     log.step(core)
-    assert log.calls[-1] == (0, 0) and log.req.released
+    assert log.calls[-1] == (0, 0) and log.req.req_index is None
     assert not core.has_unfinished()
     core.assert_drained()

@@ -5,6 +5,7 @@ depends on timing."""
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import threading
@@ -58,7 +59,7 @@ def test_limits_reject_with_the_limit_and_the_value(spec: SO, words: str) -> Non
         limits.check(spec)
     assert "structured_outputs_max_c" in str(err.value)  # names the engine argument
     GrammarLimits(max_chars=0, max_choices=0).check(spec)  # 0: no limit
-    GrammarLimits().check(SO(regex="[a-z]+"))
+    GrammarLimits(max_chars=6, max_choices=1).check(SO(regex="[a-z]+"))  # at the limit
 
 
 def test_limits_are_engine_args() -> None:
@@ -158,9 +159,30 @@ def tokenizer():  # noqa: ANN201
     return Tokenizer.from_pretrained(resolve_model_path(None))
 
 
-def _manager(tokenizer, **kw) -> StructuredOutputManager:  # noqa: ANN001
-    return StructuredOutputManager("xgrammar", tokenizer, 1024, kw.pop("timeout_s", 30.0),
-                                   worker="inline", **kw)
+def _manager(tokenizer, worker: str = "inline", **kw) -> StructuredOutputManager:  # noqa: ANN001
+    """A manager built as the engine builds it: from the engine arguments (`structured_outputs_`
+    + the keys of kw), for a 1024-token vocabulary."""
+    args = EngineArgs(structured_outputs_worker=worker,
+                      **{f"structured_outputs_{k}": v for k, v in kw.items()})
+    return StructuredOutputManager(args.structured_outputs_config(), tokenizer, 1024,
+                                   max_rows=256, cuda=False)
+
+
+def test_manager_has_no_settings_of_its_own(tokenizer) -> None:  # noqa: ANN001
+    """Every setting comes from the engine's StructuredOutputsConfig (a manager that defaulted
+    to the inline worker while the engine said process once made tests run another path)."""
+    params = inspect.signature(StructuredOutputManager).parameters
+    assert [p.name for p in params.values() if p.default is not inspect.Parameter.empty] == []
+    config = EngineArgs(structured_outputs_timeout=7, structured_outputs_max_chars=9,
+                        structured_outputs_cache_mb=3).structured_outputs_config()
+    manager = StructuredOutputManager(config, tokenizer, 1024, max_rows=4, cuda=False)
+    assert manager.config.worker == "process" and not manager.started
+    assert manager.cache.limit_bytes == 3 << 20
+    assert manager.timeout_message == ("grammar compilation timed out after 7 s "
+                                       "(structured_outputs_timeout)")
+    with pytest.raises(ValueError, match="at most 9 are allowed"):
+        manager.compile(SO(regex="a" * 10))
+    manager.shutdown()
 
 
 @pytest.fixture
@@ -200,7 +222,7 @@ def test_cheap_grammar_compiles_while_two_slow_ones_are_in_flight(
 
 
 def test_timed_out_compile_is_expired_not_cached(tokenizer, monkeypatch) -> None:  # noqa: ANN001
-    manager = _manager(tokenizer, timeout_s=0.01)
+    manager = _manager(tokenizer, timeout=0.01)
     gate = _gate()
     started = _block_grammars(manager, monkeypatch, gate)
     spec = SO(grammar=BIG)
@@ -284,7 +306,7 @@ def test_worker_forget_abandons_its_compile(tokenizer) -> None:  # noqa: ANN001
 def test_worker_exits_quietly_when_the_engine_closes(tokenizer, capfd) -> None:  # noqa: ANN001
     """The engine shuts down without reading the worker's "ready" (a server that got no grammar
     request): the worker sees its connection reset and must exit 0 without a traceback."""
-    manager = StructuredOutputManager("xgrammar", tokenizer, 1024, 30.0, worker="process")
+    manager = _manager(tokenizer, worker="process")
     executor = manager.executor
     assert executor.conn.poll(120)  # the worker sent "ready"; it stays unread
     manager.shutdown()

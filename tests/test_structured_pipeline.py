@@ -108,7 +108,7 @@ def test_grammar_rows_on_threads_equal_serial() -> None:
                             **kw), specs)
     assert run(_engine(True, **kw), specs)[0] == serial  # the grammar-worker process (default)
     engine = _engine(True, structured_outputs_threads=4, structured_outputs_worker="inline", **kw)
-    assert engine.engine.structured.fill_threads == 4
+    assert engine.engine.structured.config.threads == 4
     split = engine.engine.structured.backend.fill
     second = split.batches[1] = _CountingBatch(split.batches[1])  # used from 16 rows on
     threaded, _ = run(engine, specs)

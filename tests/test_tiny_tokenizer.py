@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from photon.config import ConfigError, load_hf_config
+from photon.config import ConfigError
+from photon.model.hf_config import load_hf_config
 from photon.model.tiny import (
     PHOTON_TINY,
     ensure_photon_tiny,

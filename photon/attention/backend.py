@@ -9,11 +9,13 @@ query token to every cached position of its sequence up to and including its own
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from photon.kernels import has_triton
+from photon.registry import Registry
 
 
 @dataclass
@@ -90,35 +92,21 @@ class AttentionBackend(ABC):
         return True
 
 
-# name -> "module:Class"; imported lazily so optional backends cost nothing when unused.
-_BACKENDS: dict[str, str] = {
+# Imported lazily: optional backends (triton) cost nothing when unused.
+ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = Registry("attention backend", lazy={
     "torch": "photon.attention.torch_ref:TorchReferenceBackend",
     "triton": "photon.attention.triton_paged:TritonPagedBackend",
-}
+})
 
 
-def register_backend(name: str, target: str) -> None:
-    _BACKENDS[name] = target
-
-
-def available_backends() -> list[str]:
-    return sorted(_BACKENDS)
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def resolve_backend_name(name: str, device: str) -> str:
+    """`auto` -> triton on CUDA when triton imports, else torch; other names are checked."""
+    if name == "auto":
+        return "triton" if str(device).startswith("cuda") and has_triton() else "torch"
+    if name not in ATTENTION_BACKENDS:
+        raise ATTENTION_BACKENDS.unknown(name, also=("auto",))
+    return name
 
 
 def create_backend(name: str, device: str) -> AttentionBackend:
-    if name == "auto":
-        name = "triton" if str(device).startswith("cuda") and _triton_available() else "torch"
-    if name not in _BACKENDS:
-        raise ValueError(
-            f"unknown attention_backend {name!r}; available: auto, {', '.join(available_backends())}")
-    module_name, cls_name = _BACKENDS[name].split(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    return cls()
+    return ATTENTION_BACKENDS.get(resolve_backend_name(name, device))()

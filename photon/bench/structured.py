@@ -198,7 +198,7 @@ def warm_up(core: EngineCore, prompts: list[list[int]], params: list[SamplingPar
     repeat prompts and a prefix-cache hit gives prefill a shape (a Triton variant) of its own.
     The grammar worker's boot and the compile are waited for first: stepping meanwhile would
     only poll them (and take a core from them on a small machine)."""
-    timeout_s = core.config.structured_outputs_timeout
+    timeout_s = core.config.structured_outputs.timeout_s
     core.structured.start(wait_s=timeout_s)
     spec = params[0].structured_outputs
     if spec is not None:

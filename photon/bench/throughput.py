@@ -138,7 +138,7 @@ def _check_ranges(ns: argparse.Namespace) -> None:
 def _engine_args(ns: argparse.Namespace, workdir: str) -> Any:
     """EngineArgs; max_model_len defaults to the workload's longest request if the model allows."""
     from photon.bench.cli import bench_engine_args
-    from photon.config import load_hf_config
+    from photon.model.hf_config import load_hf_config
     from photon.model.tiny import resolve_model_path
 
     args = bench_engine_args(ns, workdir)

@@ -35,7 +35,6 @@ from photon.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, Req
 from photon.reasoning import ReasoningParser, get_reasoning_parser
 from photon.sampling_params import SamplingParams
 from photon.structured.manager import StructuredOutputManager
-from photon.structured.params import GrammarLimits
 from photon.structured.step import GrammarStep
 from photon.tokenizer import Tokenizer
 from photon.worker.model_runner import ModelRunner
@@ -78,13 +77,8 @@ class EngineCore:
         self.reasoning: ReasoningParser | None = None if config.reasoning_parser is None \
             else get_reasoning_parser(config.reasoning_parser)(self.tokenizer)
         self.structured = StructuredOutputManager(
-            config.structured_outputs_backend, self.tokenizer, config.model.vocab_size,
-            config.structured_outputs_timeout, fill_threads=config.structured_outputs_threads,
-            worker=config.structured_outputs_worker,
-            max_rows=config.scheduler.max_num_seqs, cuda=config.device == "cuda",
-            limits=GrammarLimits(config.structured_outputs_max_chars,
-                                 config.structured_outputs_max_choices),
-            cache_bytes=config.structured_outputs_cache_mb << 20)
+            config.structured_outputs, self.tokenizer, config.model.vocab_size,
+            max_rows=config.scheduler.max_num_seqs, cuda=config.device == "cuda")
         self.grammar = GrammarStep(self.structured,
                                    request_table_size(config.scheduler.max_num_seqs))
         self.runner = ModelRunner(config, masks=self.grammar, on_fault=self._fail_request)
@@ -197,7 +191,7 @@ class EngineCore:
         self._aborted.append(req.parent_id)
 
     def has_unfinished(self) -> bool:
-        # Releases not yet delivered: one more step hands them to the runner.
+        # Releases not yet handed to the runner (an abort while nothing runs): one more step.
         sched = self.scheduler
         return sched.has_unfinished() or not self.pipeline.idle or bool(self._aborted) \
             or sched.has_releases

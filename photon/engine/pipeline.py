@@ -80,7 +80,7 @@ class Pipeline:
             self.inflight.append(launched)
         else:
             touched += self._end_grammar_step()  # nothing samples next: collect the job now
-            self._check_progress(committing)
+            self._end_idle(committing)
         return touched
 
     def _launch(self, staged: _Step) -> _Step:
@@ -108,7 +108,7 @@ class Pipeline:
             touched += self._commit(committing, None)
         touched += self._end_grammar_step()
         if self.staged is None:
-            self._check_progress(committing)
+            self._end_idle(committing)
             return touched
         launched = self._launch(self.staged)
         self.runner.sample(launched.runner)
@@ -117,14 +117,20 @@ class Pipeline:
         self.inflight.append(launched)
         return touched
 
-    def _check_progress(self, committed: _Step | None) -> None:
+    def _end_idle(self, committed: _Step | None) -> None:
+        """Nothing is staged: hand the runner the releases of this call's commit now (no later
+        plan may come), and fail loudly if requests wait that can never be planned."""
         sched = self.scheduler
+        if sched.has_releases:
+            self._prepare(sched.releases_only())
         if committed is None and sched.has_unfinished() and not sched.only_compiling:
             raise RuntimeError("engine made no progress: nothing schedulable and nothing in flight")
 
     def _plan(self) -> _Step | None:
         """plan, and the runner stages the plan (an empty one still carries its releases)."""
-        planned = self.scheduler.plan()
+        return self._prepare(self.scheduler.plan())
+
+    def _prepare(self, planned: SchedulerOutput) -> _Step | None:
         self.grammar.plan(planned)
         prepared = self.runner.prepare(planned.plan)
         return _Step(planned, prepared) if prepared is not None else None

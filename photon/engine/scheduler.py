@@ -114,6 +114,12 @@ class Scheduler:
         assert req is not None, f"no request holds index {req_index}"
         return req
 
+    def releases_only(self) -> SchedulerOutput:
+        """A plan without rows that hands the runner the indices released since the last plan."""
+        out = SchedulerOutput(StepPlan(released=self._released))
+        self._released = []
+        return out
+
     def plan(self) -> SchedulerOutput:
         out = SchedulerOutput(StepPlan(released=self._released))
         self._released = []

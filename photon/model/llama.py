@@ -46,7 +46,8 @@ def head_dim_of(cfg: dict[str, Any]) -> int:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_idx: int, flags: DecoderFlags) -> None:
+    def __init__(self, cfg: dict[str, Any], layer_idx: int, flags: DecoderFlags,
+                 use_triton: bool) -> None:
         super().__init__()
         hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
@@ -55,9 +56,9 @@ class DecoderAttention(nn.Module):
                                           bias=flags.qkv_bias)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=flags.o_bias)
         eps = float(cfg.get("rms_norm_eps", 1e-6))
-        self.q_norm = RMSNorm(head_dim, eps) if flags.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps) if flags.qk_norm else None
-        self.rotary_emb = get_rope(head_dim, cfg)
+        self.q_norm = RMSNorm(head_dim, eps, use_triton) if flags.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, use_triton) if flags.qk_norm else None
+        self.rotary_emb = get_rope(head_dim, cfg, use_triton)
         self.attn = Attention(layer_idx, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads,
                               head_dim, head_dim ** -0.5)
 
@@ -74,7 +75,7 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, cfg: dict[str, Any], flags: DecoderFlags) -> None:
+    def __init__(self, cfg: dict[str, Any], flags: DecoderFlags, use_triton: bool) -> None:
         super().__init__()
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
@@ -82,20 +83,21 @@ class DecoderMLP(nn.Module):
         hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=flags.mlp_bias)
         self.down_proj = RowParallelLinear(inter, hidden, bias=flags.mlp_bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(use_triton)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_idx: int, flags: DecoderFlags) -> None:
+    def __init__(self, cfg: dict[str, Any], layer_idx: int, flags: DecoderFlags,
+                 use_triton: bool) -> None:
         super().__init__()
-        eps = float(cfg.get("rms_norm_eps", 1e-6))
-        self.self_attn = DecoderAttention(cfg, layer_idx, flags)
-        self.mlp = DecoderMLP(cfg, flags)
-        self.input_layernorm = RMSNorm(int(cfg["hidden_size"]), eps)
-        self.post_attention_layernorm = RMSNorm(int(cfg["hidden_size"]), eps)
+        eps, hidden = float(cfg.get("rms_norm_eps", 1e-6)), int(cfg["hidden_size"])
+        self.self_attn = DecoderAttention(cfg, layer_idx, flags, use_triton)
+        self.mlp = DecoderMLP(cfg, flags, use_triton)
+        self.input_layernorm = RMSNorm(hidden, eps, use_triton)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, use_triton)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,12 +113,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: dict[str, Any], flags: DecoderFlags) -> None:
+    def __init__(self, cfg: dict[str, Any], flags: DecoderFlags, use_triton: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(int(cfg["vocab_size"]), int(cfg["hidden_size"]))
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, flags) for i in range(int(cfg["num_hidden_layers"])))
-        self.norm = RMSNorm(int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6)))
+            DecoderLayer(cfg, i, flags, use_triton) for i in range(int(cfg["num_hidden_layers"])))
+        self.norm = RMSNorm(int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6)),
+                            use_triton)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -157,14 +160,16 @@ class LlamaForCausalLM(nn.Module):
                             mlp_bias=bool(cfg.get("mlp_bias", False)))
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, use_triton: bool = False) -> None:
+        """use_triton: the layers run photon.kernels' Triton kernels on CUDA tensors (else the
+        torch ops; ModelConfig.use_triton says which)."""
         super().__init__()
         self.hf_config = hf_config
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
         # RotaryEmbedding builds its float32 caches explicitly, so the default dtype only
         # affects parameters.
         with _default_dtype(dtype), torch.device(device):
-            self.model = DecoderModel(hf_config, self.decoder_flags(hf_config))
+            self.model = DecoderModel(hf_config, self.decoder_flags(hf_config), use_triton)
             self.lm_head = ParallelLMHead(int(hf_config["vocab_size"]), int(hf_config["hidden_size"]))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -57,7 +57,8 @@ def load_model(model_config: ModelConfig, device: str) -> nn.Module:
     cls = get_model_class(model_config.architecture)
     torch_device = torch.device(device)
     with torch_device:
-        model = cls(model_config.hf_config, model_config.dtype, torch_device)
+        model = cls(model_config.hf_config, model_config.dtype, torch_device,
+                    use_triton=model_config.use_triton)
     if model_config.load_format == "dummy":
         _init_dummy(model, model_config.seed)
     else:

@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
+from photon.registry import Registry
 
-_MODELS: dict[str, str] = {
+MODELS: Registry[type] = Registry("model architecture", lazy={
     "LlamaForCausalLM": "photon.model.llama:LlamaForCausalLM",
     "MistralForCausalLM": "photon.model.mistral:MistralForCausalLM",
     "Qwen2ForCausalLM": "photon.model.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "photon.model.qwen3:Qwen3ForCausalLM",
-}
-
-
-def supported_architectures() -> list[str]:
-    return list(_MODELS)
-
-
-def get_model_class(arch: str) -> type:
-    if arch not in _MODELS:
-        raise ValueError(
-            f"unsupported architecture {arch!r}; supported: {', '.join(supported_architectures())}")
-    module_name, cls_name = _MODELS[arch].split(":")
-    return getattr(importlib.import_module(module_name), cls_name)
+})
+supported_architectures = MODELS.names
+get_model_class = MODELS.get

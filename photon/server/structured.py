@@ -70,7 +70,7 @@ async def precompile(core: EngineCore, spec: StructuredOutputsParams | None,
         fut = await asyncio.to_thread(manager.compile, spec)  # the first call builds the backend
         # shield: the wait's own timeout must not cancel the shared future; expire() fails it
         # for every request waiting on it and frees its compile slot
-        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), manager.timeout_s)
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), manager.config.timeout_s)
     except asyncio.TimeoutError:
         manager.expire(spec.key(), fut)
         raise bad_request(manager.timeout_message, param) from None

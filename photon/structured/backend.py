@@ -11,11 +11,11 @@ allowed under a grammar.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
+from photon.registry import Registry
 from photon.structured.params import StructuredOutputsParams
 from photon.tokenizer import Tokenizer
 
@@ -61,27 +61,19 @@ class GrammarBackend(Protocol):
         (up to its `threads`); it returns once every row is written."""
 
 
-BackendFactory = Callable[[Tokenizer, int, int], GrammarBackend]
-_BACKENDS: dict[str, BackendFactory] = {}
-
-
-def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
-    def deco(factory: BackendFactory) -> BackendFactory:
-        _BACKENDS[name] = factory
-        return factory
-    return deco
+# A backend class is built as cls(tokenizer, vocab_size, threads); imported lazily (xgrammar is
+# imported only when a grammar is first compiled).
+GRAMMAR_BACKENDS: Registry[type] = Registry("structured outputs backend", lazy={
+    "xgrammar": "photon.structured.xgrammar_backend:XGrammarBackend",
+})
 
 
 def create_backend(name: str, tokenizer: Tokenizer, vocab_size: int, threads: int
                    ) -> GrammarBackend:
     """`vocab_size` is the model's (logits width), which may exceed the tokenizer's; `threads`
     bound the parallel mask fills."""
-    if name == "xgrammar" and name not in _BACKENDS:
-        import photon.structured.xgrammar_backend  # noqa: F401 - registers itself
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown structured-outputs backend {name!r}; "
-                         f"available: {', '.join(sorted(_BACKENDS)) or 'xgrammar'}")
-    return _BACKENDS[name](tokenizer, vocab_size, threads)
+    backend: GrammarBackend = GRAMMAR_BACKENDS.get(name)(tokenizer, vocab_size, threads)
+    return backend
 
 
 def bitmask_width(vocab_size: int) -> int:

@@ -26,39 +26,31 @@ import weakref
 from concurrent.futures import Future
 from functools import partial
 
+from photon.config import StructuredOutputsConfig
 from photon.structured.backend import GrammarBackend, GrammarError, create_backend
 from photon.structured.bitmask import TokenMask
 from photon.structured.compile_pool import COMPILE_SLOTS, CompilePool, is_heavy
 from photon.structured.executor import GrammarExecutor, InlineExecutor, StepJob
 from photon.structured.grammar_cache import GrammarCache
-from photon.structured.params import GrammarLimits, StructuredOutputsParams
+from photon.structured.params import StructuredOutputsParams
 from photon.tokenizer import Tokenizer
-
-WORKERS = ("process", "inline")
 
 
 class StructuredOutputManager:
-    def __init__(self, backend: str, tokenizer: Tokenizer, vocab_size: int, timeout_s: float,
-                 fill_threads: int = 8, worker: str = "inline", max_rows: int = 256,
-                 cuda: bool = False, limits: GrammarLimits | None = None,
-                 cache_bytes: int = 512 << 20) -> None:
-        if worker not in WORKERS:
-            raise ValueError(f"structured_outputs_worker must be one of {', '.join(WORKERS)}; "
-                             f"got {worker!r}")
-        self.backend_name = backend
+    def __init__(self, config: StructuredOutputsConfig, tokenizer: Tokenizer, vocab_size: int,
+                 max_rows: int, cuda: bool) -> None:
+        """`config`: every setting (backend, timeout, fill threads, worker, limits, cache size);
+        `max_rows`: most grammar rows in one step; `cuda`: masks go to a CUDA device."""
+        self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.timeout_s = timeout_s
         self._backend: GrammarBackend | None = None
         self._executor: GrammarExecutor | None = None
-        self.limits = limits or GrammarLimits()
         # Reentrant: a compile that finishes at once runs its done-callback inside compile().
         self._lock = threading.RLock()
-        self._cache = GrammarCache(cache_bytes)
+        self._cache = GrammarCache(config.cache_bytes)
         self._pool = CompilePool(COMPILE_SLOTS)
-        # The backend's threads for a step's mask fills (in whichever process fills).
-        self.fill_threads = fill_threads
-        self.worker, self.max_rows, self.cuda = worker, max_rows, cuda
+        self.max_rows, self.cuda = max_rows, cuda
         self._in_flight = False  # a job was submitted and not waited for
         self._closing: list[int] = []  # released while a job was in flight: closed after it
 
@@ -72,8 +64,8 @@ class StructuredOutputManager:
 
     def _backend_locked(self) -> GrammarBackend:
         if self._backend is None:
-            self._backend = create_backend(self.backend_name, self.tokenizer, self.vocab_size,
-                                           self.fill_threads)
+            self._backend = create_backend(self.config.backend, self.tokenizer, self.vocab_size,
+                                           self.config.threads)
         return self._backend
 
     @property
@@ -92,13 +84,13 @@ class StructuredOutputManager:
     def _executor_locked(self) -> GrammarExecutor:
         if self._executor is None:
             backend = self._backend_locked()
-            if self.worker == "inline":
+            if self.config.worker == "inline":
                 self._executor = InlineExecutor(backend, pin=self.cuda)
             else:
                 from photon.structured.worker import ProcessExecutor
 
                 self._executor = ProcessExecutor(
-                    self.tokenizer, self.backend_name, self.vocab_size, self.fill_threads,
+                    self.tokenizer, self.config.backend, self.vocab_size, self.config.threads,
                     self.max_rows, backend.mask_words, self.cuda)
         return self._executor
 
@@ -114,7 +106,7 @@ class StructuredOutputManager:
     def compile(self, spec: StructuredOutputsParams, pin: bool = False) -> Future:
         """The compile of `spec` (raises ValueError past a size limit); `pin`: the caller will
         open a matcher on it (see `unpin`)."""
-        self.limits.check(spec)
+        self.config.limits.check(spec)
         key = spec.key()
         with self._lock:
             backend, executor = self._backend_locked(), self._executor_locked()
@@ -158,7 +150,7 @@ class StructuredOutputManager:
 
     @property
     def timeout_message(self) -> str:
-        return (f"grammar compilation timed out after {self.timeout_s:g} s "
+        return (f"grammar compilation timed out after {self.config.timeout_s:g} s "
                 f"(structured_outputs_timeout)")
 
     @property
@@ -173,7 +165,7 @@ class StructuredOutputManager:
     def request_grammar(self, spec: StructuredOutputsParams, start_after: int | None = None
                         ) -> RequestGrammar:
         return RequestGrammar(self, spec.key(), self.compile(spec, pin=True),
-                              time.monotonic() + self.timeout_s, start_after)
+                              time.monotonic() + self.config.timeout_s, start_after)
 
     def submit(self, job: StepJob, mask: TokenMask | None, index: int = 0) -> None:
         """One step's job: the accepts (step t's committed tokens), then the fills of step t+1's

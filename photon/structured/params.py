@@ -79,10 +79,11 @@ class StructuredOutputsParams:
 class GrammarLimits:
     """Bounds on what one request may ask to compile: compile cost grows with the spec (for some
     grammars faster than linearly), so an unbounded spec could hold a compile thread and its
-    memory for as long as it likes. 0 disables a limit."""
+    memory for as long as it likes. 0 disables a limit (the engine's values:
+    StructuredOutputsConfig.limits)."""
 
-    max_chars: int = 65536  # the spec's text: JSON schema (compact JSON), regex, grammar, choices
-    max_choices: int = 1024
+    max_chars: int  # the spec's text: JSON schema (compact JSON), regex, grammar, choices
+    max_choices: int
 
     def check(self, spec: StructuredOutputsParams) -> None:
         """Raise ValueError naming the limit, the value and the engine argument that sets it."""

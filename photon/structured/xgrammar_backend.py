@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from photon.structured.backend import GrammarError, bitmask_width, register_backend
+from photon.structured.backend import GrammarError, bitmask_width
 from photon.structured.params import StructuredOutputsParams
 from photon.tokenizer import Tokenizer
 
@@ -95,7 +95,7 @@ class SplitFill:
 
 
 class XGrammarBackend:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, threads: int = 1) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, threads: int) -> None:
         self.info = tokenizer_info(tokenizer, vocab_size)
         # photon's manager caches compiled grammars by spec; one cache is enough.
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
@@ -163,5 +163,3 @@ def _clean(message: str) -> str:
         return rest.split(": ", 1)[-1].strip()
     return message.strip()
 
-
-register_backend("xgrammar")(XGrammarBackend)

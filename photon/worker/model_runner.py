@@ -106,14 +106,14 @@ class ModelRunner:
         max_blocks = math.ceil(self.pool_width / self.block_size)
         self.table = RequestTable(num_rows, max_blocks)
         self.streams = Streams(self.device,
-                               device_waits=config.structured_outputs_mask_wait == "device")
+                               device_waits=config.structured_outputs.mask_wait == "device")
         tokens = config.scheduler.max_num_batched_tokens
         # Backends cover at most the model's vocabulary: the widest masks a step can have.
         words = bitmask_width(mc.vocab_size)
         self.mask_views = MaskViews(words)
         self.slots = [StepSlot(i, self.device, max_seqs, MAX_LOGPROBS, 8 * tokens + 16 * max_seqs,
                                8 * max_seqs, mask_numel(max_seqs, words)) for i in range(2)]
-        self.sampler = Sampler()
+        self.sampler = Sampler(fused=config.model.use_triton)
         self.probe: StepProbe | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:

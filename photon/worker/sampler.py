@@ -12,18 +12,15 @@ the batch composition, row order or pipelining, without a torch.Generator per re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from photon.core.sampling import CTR_SALT, M32, MUL_A, MUL_B, ROW_SALT, VOCAB_SALT
-from photon.kernels import USE_TRITON
+from photon.kernels import has_triton
 from photon.structured.bitmask import TokenMask, apply_token_bitmask
-
-if USE_TRITON:
-    from photon.kernels import bitmask as fused_bitmask
-    from photon.kernels import sampling as fused_sampling
 
 GREEDY_EPS = 1e-5  # rows with temperature below this are greedy (matches SamplingParams.greedy)
 
@@ -238,6 +235,8 @@ def _sample_fused(logits: Tensor, batch: SamplingBatch, mask: TokenMask | None =
     """Triton path of greedy/temperature/min_p/top_k/top_p + Gumbel-max: same tokens, no
     sort and no [R, V] noise (photon.kernels.sampling). `mask`: grammar masks applied inside
     the draw (only without a threshold: the threshold searches read the logits themselves)."""
+    from photon.kernels import sampling as fused_sampling  # imports triton: only when fused
+
     threshold = None
     if _needs_threshold(batch):
         assert mask is None, "apply the grammar mask to the logits before the threshold search"
@@ -249,13 +248,19 @@ def _sample_fused(logits: Tensor, batch: SamplingBatch, mask: TokenMask | None =
                                         threshold, greedy_eps=GREEDY_EPS, mask=mask)
 
 
+def _fused_apply_bitmask() -> Callable[[Tensor, TokenMask], Tensor]:
+    from photon.kernels.bitmask import apply_token_bitmask_  # imports triton: only when fused
+
+    return apply_token_bitmask_
+
+
 def _draw(logits: Tensor, batch: SamplingBatch, fused: bool, owned: bool) -> Tensor:
     """The grammar mask, then greedy or random sampling. `owned`: logits may be modified."""
     mask = batch.token_bitmask
     if mask is not None and fused and not _needs_threshold(batch):
         return _sample_fused(logits, batch, mask)  # the draw reads the mask (greedy rows too)
     if mask is not None:
-        apply = fused_bitmask.apply_token_bitmask_ if fused else apply_token_bitmask
+        apply = _fused_apply_bitmask() if fused else apply_token_bitmask
         logits = apply(logits if owned else logits.clone(), mask)
     if batch.all_greedy:
         return logits.argmax(dim=-1)
@@ -288,7 +293,7 @@ class Sampler:
             logits, owned = apply_penalties(logits, batch), True
         if batch.ban_rows.numel() > 0:  # a shape, not a value: no sync
             logits, owned = apply_bans(logits if owned else logits.clone(), batch), True
-        fused = self.fused if self.fused is not None else logits.is_cuda and USE_TRITON
+        fused = self.fused if self.fused is not None else logits.is_cuda and has_triton()
         token_ids = _draw(logits, batch, fused, owned)
         if raw is None:
             return SamplerOutput(token_ids, None, None, None, None)

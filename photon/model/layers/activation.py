@@ -6,18 +6,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from photon.kernels import USE_TRITON
-
-if USE_TRITON:
-    from photon.kernels import elementwise
+from photon.kernels import elementwise_kernel
 
 
 class SiluAndMul(nn.Module):
     """x = [gate | up] along the last dim -> silu(gate) * up."""
 
+    def __init__(self, use_triton: bool = False) -> None:
+        super().__init__()
+        self.kernel = elementwise_kernel("silu_and_mul", use_triton)  # None: torch ops only
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and USE_TRITON:
-            return elementwise.silu_and_mul(x)
+        if self.kernel is not None and x.is_cuda:
+            return self.kernel(x)
         return self.forward_torch(x)
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:

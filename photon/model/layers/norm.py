@@ -5,17 +5,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from photon.kernels import USE_TRITON
+from photon.kernels import elementwise_kernel
 from photon.model.layers.linear import default_weight_loader
-
-if USE_TRITON:
-    from photon.kernels import elementwise
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, use_triton: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        # Triton kernels for CUDA tensors; None: the torch ops only.
+        self.rms_kernel = elementwise_kernel("rms_norm", use_triton)
+        self.add_rms_kernel = elementwise_kernel("fused_add_rms_norm", use_triton)
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
@@ -29,10 +29,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
-        if x.is_cuda and USE_TRITON:
+        if self.rms_kernel is not None and self.add_rms_kernel is not None and x.is_cuda:
             if residual is None:
-                return elementwise.rms_norm(x, self.weight, self.eps)
-            return elementwise.fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return self.rms_kernel(x, self.weight, self.eps)
+            return self.add_rms_kernel(x, residual, self.weight, self.eps)
         return self.forward_torch(x, residual)
 
     def forward_torch(

@@ -14,10 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from photon.kernels import USE_TRITON
-
-if USE_TRITON:
-    from photon.kernels import elementwise
+from photon.kernels import elementwise_kernel
 
 DEFAULT_ROPE_THETA = 10000.0
 
@@ -62,9 +59,10 @@ class RotaryEmbedding(nn.Module):
     """Applies rope to q [T, H, D] and k [T, Hkv, D] at `positions` [T]."""
 
     def __init__(self, head_dim: int, max_position_embeddings: int, theta: float,
-                 scaling: dict[str, Any] | None = None) -> None:
+                 scaling: dict[str, Any] | None = None, use_triton: bool = False) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.kernel = elementwise_kernel("rotary_neox", use_triton)  # None: torch ops only
         inv_freq = _inv_freq(head_dim, theta)
         if scaling is not None:
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
@@ -77,8 +75,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if q.is_cuda and USE_TRITON:
-            return elementwise.rotary_neox(positions, q, k, self.cos_cache, self.sin_cache)
+        if self.kernel is not None and q.is_cuda:
+            return self.kernel(positions, q, k, self.cos_cache, self.sin_cache)
         return self.forward_torch(positions, q, k)
 
     def forward_torch(self, positions: torch.Tensor, q: torch.Tensor,
@@ -89,7 +87,7 @@ class RotaryEmbedding(nn.Module):
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def get_rope(head_dim: int, hf_config: dict[str, Any]) -> RotaryEmbedding:
+def get_rope(head_dim: int, hf_config: dict[str, Any], use_triton: bool = False) -> RotaryEmbedding:
     theta, scaling = rope_settings(hf_config)
     max_pos = int(hf_config.get("max_position_embeddings") or 2048)
-    return RotaryEmbedding(head_dim, max_pos, theta, scaling)
+    return RotaryEmbedding(head_dim, max_pos, theta, scaling, use_triton)
