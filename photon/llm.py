@@ -59,7 +59,7 @@ class LLM:
         except BaseException:
             # A bad prompt, a failed request or an interrupt (KeyboardInterrupt): nothing this
             # call added outlives it (the next call would run it first); all or nothing. The
-            # engine holds only this call's requests, all finalized now: the drain just ends
+            # engine holds only this call's requests, all finished now: the drain just ends
             # the steps in flight, so the engine is clean when the exception leaves.
             self.abort(ids)
             while self.engine.has_unfinished():

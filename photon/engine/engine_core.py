@@ -1,7 +1,7 @@
 """EngineCore: owns the tokenizer, scheduler, KV manager, model runner and pipeline.
 
 add_request() validates at the edge (clear ValueErrors), step() runs one pipeline iteration and
-returns outputs for the requests that changed, abort() finalizes through the same zombie path as a
+returns outputs for the requests that changed, abort() finishes a request through the same zombie path as a
 stop.
 
 Output modes per request (chosen at add_request):

@@ -8,7 +8,7 @@ Layout of one step's masks for R sampling rows, packed in one flat int32 buffer 
   tail [R]     whether ids v >= 32 * W are allowed: 0 under a grammar, -1 without one; it starts
                on a 16-byte boundary (Triton specializes kernels on pointer alignment, so an
                offset that moved with R would compile a second variant mid-run)
-Rows without a grammar, zombie rows (finalized at commit(t)) and terminated grammars get all bits
+Rows without a grammar, zombie rows (finished at commit(t)) and terminated grammars get all bits
 and the tail set: no constraint.
 """
 

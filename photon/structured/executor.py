@@ -2,7 +2,7 @@
 
 A step's grammar work is one job: the matchers accept step t's committed tokens, then fill the
 masks of step t+1's rows. The engine `submit`s it right after commit(t)'s wait, appends tokens,
-checks stops and plans t+2; finalize(t+1) then either makes the GPU wait for the job's
+checks stops and plans t+2; sample(t+1) then either makes the GPU wait for the job's
 `device_fence` (the grammar worker on CUDA: the engine thread does not wait at all) or `wait`s for
 it on the host. The job's result (rejected tokens) is collected with `wait` by commit(t+1) at the
 latest.

@@ -1,13 +1,14 @@
 """Ping-pong step slots and the stream/event fences of the pipeline.
 
-Each step uses slot S[t % 2]: pinned host staging buffers and device buffers at fixed addresses,
+Step t (the plan's step number) uses slot S[t % 2]: pinned host staging buffers and device buffers at fixed addresses,
 allocated once. All per-step integers travel in one packed int64 buffer and all floats in one packed
 float32 buffer, so a launch costs two H2D copies however many fields a step has.
 
 Fences (CUDA; on CPU every copy is synchronous and every fence a no-op):
-  launch(t):    host fills S.host_*  -> copy stream: H2D S.host_* -> S.dev_*, record S.h2d_done
-                compute stream waits S.h2d_done, then runs the forward reading S.dev_*
-  finalize(t):  compute stream samples, writes tokens into the token pool and S.dev_out,
+  prepare(t):   the host fills S.host_*
+  launch(t):    copy stream: H2D S.host_* -> S.dev_*, record S.h2d_done; compute stream waits
+                S.h2d_done, then runs the forward reading S.dev_*
+  sample(t):    compute stream samples, writes tokens into the token pool and S.dev_out,
                 records S.sampled; copy stream waits S.sampled, D2H S.dev_out -> S.host_out,
                 records S.copy_done
   commit(t):    the host waits S.copy_done: the only host sync of an iteration
@@ -15,7 +16,7 @@ Grammar masks (only in steps where some sampling row has a grammar):
   commit(t-1):  the grammar job (accepts of t-1, then the fill of mask buffer S) is submitted; the
                 buffer is page-locked host memory: pinned, or the grammar worker's shared memory
                 registered with CUDA
-  finalize(t):  mask stream: [wait until the worker's fence word for S reaches the job's number
+  sample(t):    mask stream: [wait until the worker's fence word for S reaches the job's number
                 (cuStreamWaitValue32: the GPU waits, not the engine thread)], H2D mask buffer S
                 -> S.mask_dev, record S.mask_ready; compute stream waits S.mask_ready before
                 sampling. Without a device wait (CPU, inline jobs, `--structured-outputs-mask-wait
