@@ -115,8 +115,8 @@ def test_prompt_chunks_count_in_inflight_refs_not_in_num_pending(depth: int) -> 
 def _index_of(h: Harness, rid: str) -> int:
     """The request index the runner got for `rid` (its first admission)."""
     prompt = tuple(h.requests[rid].prompt_token_ids)
-    return next(i for p in h.runner.raw_plans for n in p.new_requests
-                if tuple(n.token_ids) == prompt for i in [n.req_index])
+    return next(n.req_index for p in h.runner.raw_plans for n in p.new_requests
+                if tuple(n.token_ids) == prompt)
 
 
 def _release_plan(h: Harness, index: int, after: int) -> int:
