@@ -145,22 +145,33 @@ class Scheduler:
         return out
 
     def _reserve(self, req: Request, num_new: int) -> bool:
-        """KV blocks for the row, preempting lower-priority requests if needed."""
+        """KV blocks for the row, preempting lower-priority requests if needed. Without a later
+        request to preempt, `req` waits for blocks a victim still returns (its in-flight step
+        commits) rather than preempting itself."""
         while not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):
             victim = self._pick_victim(req)
+            if victim is req and self._blocks_in_transit():
+                return False
             self.preempt(victim)
             if victim is req or victim.req_index is not None:
                 return False  # blocks come back once the victim's in-flight step commits
         return True
 
     def _pick_victim(self, req: Request) -> Request:
-        """Lowest-priority running request not yet planned this step (they come after `req`);
-        `req` itself when there is none."""
-        later = self.running[self.running.index(req) + 1:]
-        for cand in reversed(later):
-            if cand.status is RequestStatus.RUNNING:
-                return cand
-        return req
+        """Lowest-priority running request not yet planned this step (the last one after `req`
+        in `running`: preempted ones leave the list); `req` itself when there is none."""
+        i = self.running.index(req)
+        return self.running[-1] if i + 1 < len(self.running) else req
+
+    def _blocks_in_transit(self) -> bool:
+        """A preempted request still holds its blocks (a launched or staged step reads them):
+        they come back at that step's commit. Preempted requests wait at the queue's head."""
+        for r in self.waiting:
+            if r.status is not RequestStatus.PREEMPTED:
+                return False
+            if r.req_index is not None:
+                return True
+        return False
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
