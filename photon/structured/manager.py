@@ -191,8 +191,8 @@ class StructuredOutputManager:
     def close(self, handle: int) -> None:
         """A sequence is done with its matcher. While a job is in flight the handle is closed
         only after it: that job may still accept the sequence's last token (a request can be
-        released in the commit that submitted it), and its rejections map back through the
-        handle, which must not be reused by another sequence before then."""
+        released in the commit that submitted it), so the handle must not be reused by another
+        sequence before then."""
         self._closing.append(handle)
         if not self._in_flight:
             self._close_pending()
