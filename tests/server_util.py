@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,8 +13,9 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from photon.config import EngineArgs
+from photon.config import EngineArgs, EngineConfig
 from photon.engine.async_engine import AsyncEngine
+from photon.engine.async_llm import AsyncLLM
 from photon.engine.engine_core import EngineCore
 from photon.server.app import build_app
 from photon.server.openai_serving import ServerConfig
@@ -39,11 +41,26 @@ def openai_client(server: LiveServer, api_key: str = "none") -> Any:
     return openai.OpenAI(base_url=server.api_url, api_key=api_key, max_retries=0, timeout=60)
 
 
+def engine_mode() -> str:
+    """Which engine the test servers run: "process" (an engine-core process, what `photon
+    serve` runs; the default) or "thread" (the engine loop in a thread of the server), chosen
+    with PHOTON_TEST_ENGINE."""
+    mode = os.environ.get("PHOTON_TEST_ENGINE", "process")
+    assert mode in ("process", "thread"), f"PHOTON_TEST_ENGINE={mode!r}: process or thread"
+    return mode
+
+
+def make_engine(config: EngineConfig) -> AsyncEngine | AsyncLLM:
+    if engine_mode() == "thread":
+        return AsyncEngine(EngineCore(config))
+    return AsyncLLM(config)
+
+
 def make_app(engine_args: dict[str, Any] | None = None, **server: Any) -> FastAPI:
     config = EngineArgs(**{**TINY_ARGS, **(engine_args or {})}).create_config()
     scfg = ServerConfig(served_model_name=config.model.served_model_name,
                         max_model_len=config.model.max_model_len, **server)
-    return build_app(AsyncEngine(EngineCore(config)), scfg)
+    return build_app(make_engine(config), scfg)
 
 
 @contextmanager
@@ -84,19 +101,14 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) 
         time.sleep(0.01)
 
 
-def _assert_idle(core: EngineCore) -> None:
-    assert not core.has_unfinished(), "work still pending (aborts not yet reported?)"
-    core.assert_drained()
-
-
-def wait_drained(engine: AsyncEngine, timeout: float = 30.0) -> None:
-    """Poll, on the engine thread, until it has no work left (every output, aborts included,
-    delivered) and EngineCore.assert_drained holds; fail with the last complaint after
+def wait_drained(engine: AsyncEngine | AsyncLLM, timeout: float = 30.0) -> None:
+    """Poll, between two engine steps, until the engine has no work left (every output, aborts
+    included, delivered) and EngineCore.assert_drained holds; fail with the last complaint after
     `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            engine.call(lambda: _assert_idle(engine.engine))
+            engine.call_utility("check_drained")
             return
         except AssertionError:
             if time.monotonic() > deadline:
@@ -104,22 +116,26 @@ def wait_drained(engine: AsyncEngine, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+class _Gate:
+    """Resumes the paused engine once `set()` (idempotent)."""
+
+    def __init__(self, engine: AsyncEngine | AsyncLLM) -> None:
+        self.engine = engine
+        self.opened = False
+
+    def set(self) -> None:
+        if not self.opened:
+            self.opened = True
+            self.engine.call_utility("resume")
+
+
 @contextmanager
-def engine_paused(engine: AsyncEngine) -> Iterator[threading.Event]:
-    """Hold the engine thread before each step until the returned event is set (or the block
+def engine_paused(engine: AsyncEngine | AsyncLLM) -> Iterator[_Gate]:
+    """Hold the engine before its next step until the returned gate is set (or the block
     exits): requests are admitted and queued, but none progresses or finishes."""
-    gate = threading.Event()
-    core = engine.engine
-    real_step = core.step
-
-    def gated_step() -> Any:
-        if not gate.wait(60):
-            raise RuntimeError("engine_paused: the gate was never opened")
-        return real_step()
-
-    core.step = gated_step  # type: ignore[method-assign]
+    gate = _Gate(engine)
+    engine.call_utility("pause")
     try:
         yield gate
     finally:
         gate.set()
-        del core.step  # the class's method again

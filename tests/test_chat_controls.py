@@ -126,7 +126,7 @@ def test_no_think_block_is_all_content(client: openai.OpenAI) -> None:
 def test_chat_template_kwargs_change_the_prompt(server: LiveServer, client: openai.OpenAI) -> None:
     thinking = tokenize(server, messages=USER)
     plain = tokenize(server, messages=USER, chat_template_kwargs=NO_THINK)
-    think, end = (server.engine.engine.tokenizer.token_to_id(t) for t in ("<think>", "</think>"))
+    think, end = (server.engine.frontend.tokenizer.token_to_id(t) for t in ("<think>", "</think>"))
     assert plain["tokens"][:thinking["count"]] == thinking["tokens"]
     assert think in plain["tokens"] and end in plain["tokens"] and think not in thinking["tokens"]
     r = chat(client, r"[a-z]{2}", max_tokens=4)  # (with NO_THINK)
@@ -137,7 +137,7 @@ def test_continue_final_message(server: LiveServer) -> None:
     convo = [*USER, {"role": "assistant", "content": "Because of"}]
     cont = tokenize(server, messages=convo, add_generation_prompt=False,
                     continue_final_message=True)
-    text = server.engine.engine.tokenizer.decode(cont["tokens"], skip_special_tokens=False)
+    text = server.engine.frontend.tokenizer.decode(cont["tokens"], skip_special_tokens=False)
     assert text.endswith("<|im_start|>assistant\nBecause of")
     closed = tokenize(server, messages=convo, add_generation_prompt=False)
     assert closed["count"] > cont["count"]  # the message's end (<|im_end|>) is not rendered
@@ -181,7 +181,7 @@ def test_chat_template_served() -> None:
     """--chat-template replaces the model's template for chat and /tokenize."""
     with live_server(chat_template="{{ messages[0]['content'] }}|{{ extra }}") as s:
         got = tokenize(s, messages=USER, chat_template_kwargs={"extra": "E"})
-        text = s.engine.engine.tokenizer.decode(got["tokens"])
+        text = s.engine.frontend.tokenizer.decode(got["tokens"])
         assert text == "Why is the sky blue?|E"
 
 

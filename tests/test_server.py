@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 from collections.abc import Iterator
 
@@ -10,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_util import LiveServer, live_server, wait_drained, wait_until
+from tests.server_util import LiveServer, engine_mode, live_server, wait_drained, wait_until
 
 KEY = "test-key"
 MODEL = "photon-tiny"
@@ -36,7 +38,7 @@ def metric(server: LiveServer, name: str) -> float:
 
 
 def num_running(server: LiveServer) -> int:
-    return server.engine.call(lambda: server.engine.engine.stats().num_running)
+    return server.engine.call_utility("num_running")
 
 
 def test_models_and_health(client: openai.OpenAI, server: LiveServer) -> None:
@@ -44,7 +46,7 @@ def test_models_and_health(client: openai.OpenAI, server: LiveServer) -> None:
     assert [m.id for m in models] == [MODEL]
     # `root` is the served name: the server's filesystem layout is not the client's business.
     assert [m.model_extra["root"] for m in models] == [MODEL]
-    model_dir = server.engine.engine.config.model.model
+    model_dir = server.engine.frontend.config.model.model
     assert model_dir not in models.model_dump_json()
     assert httpx.get(server.base_url + "/health").status_code == 200  # no key needed
 
@@ -202,12 +204,21 @@ def test_disconnect_non_streaming(server: LiveServer) -> None:
     assert metric(server, aborted) == before + 1
 
 
-def test_engine_death_gives_503_health() -> None:
-    with live_server() as s:
+def _break_engine(s: LiveServer) -> None:
+    """Kill the engine-core process (in-thread engine: its next step raises)."""
+    if engine_mode() == "thread":
         def boom() -> list:
             raise RuntimeError("injected failure")
 
         s.engine.engine.step = boom  # type: ignore[method-assign]
+        return
+    os.kill(s.engine.client.proc.pid, signal.SIGKILL)
+    wait_until(lambda: not s.engine.healthy, "the front end notices the dead core")
+
+
+def test_engine_death_gives_503_health() -> None:
+    with live_server() as s:
+        _break_engine(s)
         r = httpx.post(s.api_url + "/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
         assert httpx.get(s.base_url + "/health").status_code == 503

@@ -25,7 +25,7 @@ def server() -> Iterator[LiveServer]:
 
 
 def _prompt_ids(server: LiveServer, text: str) -> list[int]:
-    return server.engine.engine.tokenizer.encode(text)
+    return server.engine.frontend.tokenizer.encode(text)
 
 
 def _reference_prompt_logprobs(ids: list[int]) -> list[dict]:
@@ -43,7 +43,7 @@ def test_echo_max_tokens_0_returns_the_prompt_logprobs(server: LiveServer) -> No
     choice = r.choices[0]
     assert choice.text == PROMPT
     lp = choice.logprobs
-    tok = server.engine.engine.tokenizer
+    tok = server.engine.frontend.tokenizer
     assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ids]
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     ref = _reference_prompt_logprobs(ids)
@@ -90,7 +90,7 @@ def test_prompt_logprobs_field(server: LiveServer) -> None:
 
 def test_logit_bias_forces_and_bans(server: LiveServer) -> None:
     client = openai_client(server)
-    tok = server.engine.engine.tokenizer
+    tok = server.engine.frontend.tokenizer
     (forced_id,) = tok.encode("A")
     forced = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
                                        logit_bias={str(forced_id): 100})

@@ -29,7 +29,7 @@ def server() -> Iterator[LiveServer]:
 
 @pytest.fixture()
 def tokenizer(server: LiveServer) -> Tokenizer:
-    return server.engine.engine.tokenizer
+    return server.engine.frontend.tokenizer
 
 
 def post_raw(server: LiveServer, path: str, body: str) -> httpx.Response:

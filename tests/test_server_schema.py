@@ -33,7 +33,7 @@ def api_schema() -> Iterator[Any]:
     app = make_app({"max_model_len": 32, "max_num_seqs": 128})
     # The grammar worker boots now (as `photon serve` does), not inside the first request's
     # read timeout.
-    app.state.engine.engine.structured.start(wait_s=120)
+    app.state.engine.frontend.structured.start(wait_s=120)
     try:
         yield schemathesis.openapi.from_asgi("/openapi.json", app)
     finally:

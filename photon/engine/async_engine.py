@@ -115,7 +115,14 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._live: dict[str, TrackedRequest] = {}  # engine thread only
         self._stop = False
+        self._paused = False  # no step runs while paused (engine thread only)
         self._thread = threading.Thread(target=self._run, name="photon-engine", daemon=True)
+
+    @property
+    def frontend(self) -> EngineCore:
+        """What the API server reads of the engine (config, tokenizer, edge checks): here the
+        EngineCore itself, read-only."""
+        return self.engine
 
     # ---- lifecycle (caller side) ------------------------------------------------------------
     def start(self) -> None:
@@ -169,6 +176,20 @@ class AsyncEngine:
         self._inbox.put(_Call(fn, result))
         return result.result(timeout)
 
+    def call_utility(self, method: str, timeout: float = 30.0) -> int | str | None:
+        """AsyncLLM.call_utility's methods, run on the engine thread between two steps."""
+        from photon.engine.core_proc import UTILITIES
+
+        def run() -> int | str | None:
+            if method in ("pause", "resume"):
+                self._paused = method == "pause"
+                return None
+            if method not in UTILITIES:
+                raise RuntimeError(f"unknown utility {method!r}")
+            return UTILITIES[method](self.engine)
+
+        return self.call(run, timeout)
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """One request's delta outputs; leaving the loop early aborts the request."""
@@ -201,8 +222,9 @@ class AsyncEngine:
     def _loop(self) -> None:
         last_end: float | None = None  # end of the previous step, if work remained after it
         while not self._stop:
-            self._drain_inbox(block=not self.engine.has_unfinished())
-            if self._stop or not self.engine.has_unfinished():
+            idle = self._paused or not self.engine.has_unfinished()
+            self._drain_inbox(block=idle)
+            if self._stop or self._paused or not self.engine.has_unfinished():
                 self._publish(None, None)  # gauges drop to zero once drained
                 last_end = None
                 continue

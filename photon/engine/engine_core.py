@@ -30,6 +30,7 @@ from photon.engine.kv_cache import KVCacheManager
 from photon.engine.logprobs import TokenTexts
 from photon.engine.pipeline import Pipeline
 from photon.engine.request import Request
+from photon.engine.request_checks import RequestChecks
 from photon.engine.scheduler import Scheduler
 from photon.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from photon.reasoning import ReasoningParser, get_reasoning_parser
@@ -70,9 +71,13 @@ def _freeze_startup_heap() -> None:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
+        """`detokenize=False`: outputs carry token ids only (no text, no logprob token texts) and
+        stop strings are not checked here: the front end of an engine-core process does both."""
         self.config = config
+        self.detokenize = detokenize
         self.tokenizer = Tokenizer.from_pretrained(config.model.model)
+        self.checks = RequestChecks(config, self.tokenizer)
         # --reasoning-parser: the server splits outputs with it; grammars start after its end
         self.reasoning: ReasoningParser | None = None if config.reasoning_parser is None \
             else get_reasoning_parser(config.reasoning_parser)(self.tokenizer)
@@ -84,7 +89,8 @@ class EngineCore:
         self.runner = ModelRunner(config, masks=self.grammar, on_fault=self._fail_request)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, TokenTexts(self.tokenizer))
+        self.scheduler = Scheduler(config.scheduler, self.kv,
+                                   TokenTexts(self.tokenizer) if detokenize else None)
         self.pipeline = Pipeline(self.scheduler, self.runner, self.grammar,
                                  config.pipeline_depth)
         self._rng = random.Random(config.model.seed)
@@ -96,37 +102,12 @@ class EngineCore:
         if self.runner.device.type == "cuda":
             _freeze_startup_heap()
 
-    # ---- edge validation ----------------------------------------------------------------------
+    # ---- edge validation (photon.engine.request_checks) --------------------------------------
     def tokenize_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        vocab = self.config.model.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return None, ids
-
-    def _max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
-        max_len = self.config.model.max_model_len
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty; give at least one token")
-        if num_prompt >= max_len:
-            raise ValueError(f"prompt is {num_prompt} tokens long, but max_model_len is {max_len} "
-                             f"(prompt plus at least one output token must fit)")
-        # The KV cache holds one max_model_len request (checked at startup): this always fits.
-        room = max_len - num_prompt
-        return room if params.max_tokens is None else min(params.max_tokens, room)
+        return self.checks.tokenize_prompt(prompt)
 
     def check_fits(self, num_prompt: int, max_tokens: int | None) -> None:
-        """The server's rule (as vLLM's server): prompt + max_tokens must fit max_model_len.
-        Offline, add_request clamps max_tokens instead."""
-        max_len = self.config.model.max_model_len
-        if max_tokens is not None and num_prompt + max_tokens > max_len:
-            raise ValueError(
-                f"this model's maximum context length is {max_len} tokens, but the request asks "
-                f"for {num_prompt + max_tokens} ({num_prompt} in the prompt + {max_tokens} for the "
-                f"completion); reduce the prompt or max_tokens")
+        self.checks.check_fits(num_prompt, max_tokens)
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
@@ -137,7 +118,7 @@ class EngineCore:
         vocab = self.config.model.vocab_size
         params.validate_token_ids(vocab)
         text, ids = self.tokenize_prompt(prompt)
-        max_tokens = self._max_tokens(len(ids), params)
+        max_tokens = self.checks.max_tokens(len(ids), params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -153,7 +134,7 @@ class EngineCore:
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
             req = Request(child_id, list(ids), params, eos, max_tokens, sampling, prompt=text,
                           parent_id=request_id, index=i)
-            if params.detokenize or params.stop:
+            if self.detokenize and (params.detokenize or params.stop):
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
             if params.prompt_logprobs is not None and i == 0:  # the children share the prompt
                 req.prompt_logprobs = [None]
@@ -177,11 +158,18 @@ class EngineCore:
         return self.reasoning.end_token_id
 
     def abort(self, request_id: str) -> None:
-        children = self.parents.get(request_id, [])
+        """Abort a request (all its sequences), or one sequence of an n > 1 request by its child
+        id (`{request_id}-{index}`); unknown or finished ids are ignored."""
+        children = self.parents.get(request_id)
+        if children is None:
+            req = self.scheduler.requests.get(request_id)
+            if req is None or req.parent_id == request_id:
+                return
+            children = [req]
         for req in children:
             self.scheduler.abort(req.request_id)
         if children:
-            self._aborted.append(request_id)
+            self._aborted.append(children[0].parent_id)
 
     def _fail_request(self, req_index: int, error: str) -> None:
         """The runner could not stage the request at `req_index`: it ends (ABORT, with

@@ -99,16 +99,14 @@ def run_serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from photon.cli import engine_args_from, print_model_notices
-    from photon.engine.async_engine import AsyncEngine
-    from photon.engine.engine_core import EngineCore
+    from photon.engine.async_llm import AsyncLLM
     from photon.server.app import build_app
 
     config = engine_args_from(with_model_tag(ns)).create_config()
     model = config.model
     scfg = server_config(ns, model.served_model_name, model.max_model_len)
     print_model_notices(model)
-    engine = AsyncEngine(EngineCore(config))
-    engine.engine.structured.start()  # the grammar worker boots now, not with the first grammar
+    engine = AsyncLLM(config)  # the engine core runs in a process of its own
     try:
         uvicorn.run(build_app(engine, scfg), host=ns.host, port=ns.port,
                     log_level=ns.log_level, timeout_graceful_shutdown=5)

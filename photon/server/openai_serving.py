@@ -106,7 +106,7 @@ class AbortingStream(StreamingResponse):
 class Serving:
     def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
         self.engine = engine
-        self.core = engine.engine  # read-only use: tokenizer, config, validation helpers
+        self.core = engine.frontend  # read-only: config, tokenizer, edge checks, grammar compiles
         self.config = config
         self.admission = Admission(self.core.config.scheduler.max_num_seqs,
                                    config.max_queued_requests)

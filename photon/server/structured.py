@@ -1,11 +1,12 @@
 """Request fields -> StructuredOutputsParams, and the early compile that turns a bad grammar into
-a 400 before any response starts (the engine reuses the cached compile)."""
+a 400 before any response starts (on the front end's own compiler: `Frontend.structured`, or the
+in-thread engine's, whose cache the engine then reuses)."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
-from photon.engine.engine_core import EngineCore
 from photon.server.errors import bad_request
 from photon.server.protocol import ResponseFormat, StructuredOutputsRequest, _SamplingFields
 from photon.structured.params import StructuredOutputsParams
@@ -60,7 +61,7 @@ def _from_response_format(rf: ResponseFormat) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(json=rf.json_schema.schema_)
 
 
-async def precompile(core: EngineCore, spec: StructuredOutputsParams | None,
+async def precompile(core: Any, spec: StructuredOutputsParams | None,
                      param: str = "structured_outputs") -> None:
     """Compile on the grammar pool (cached by spec); errors and timeouts are 400s."""
     if spec is None:

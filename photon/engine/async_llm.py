@@ -1,0 +1,211 @@
+"""AsyncLLM: the front end of an engine-core process, with AsyncEngine's interface.
+
+The engine core (scheduler, KV cache, model runner, pipelined loop) runs in a process of its own
+(photon.engine.core_proc), so nothing here takes the GIL from the loop that feeds the GPU. This
+process keeps what is per request and not per step: the edge checks (`RequestChecks`: a request
+the core receives never fails them), detokenization and stop strings (`OutputProcessor`), logprob
+texts, and the callers' output streams. One reader thread receives the core's per-step messages
+and hands each request's delta output to its `RequestSink`. If the core process dies, every open
+stream fails with `EngineDeadError`, `healthy` turns false and `dead` is set.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from photon.config import EngineConfig
+from photon.engine.async_engine import (
+    EngineDeadError,
+    EngineObserver,
+    RequestSink,
+    TrackedRequest,
+    _Counters,
+    _NullObserver,
+)
+from photon.engine.core_client import CoreClient
+from photon.engine.messages import Abort, AddRequest, Utility, UtilityResult
+from photon.engine.output_processor import OutputProcessor
+from photon.engine.request_checks import RequestChecks
+from photon.outputs import RequestOutput
+from photon.reasoning import ReasoningParser, get_reasoning_parser
+from photon.sampling_params import SamplingParams
+from photon.structured.manager import StructuredOutputManager
+from photon.tokenizer import Tokenizer
+
+_POLL_MS = 100  # how often the reader looks at the core process while no output comes
+
+
+class Frontend:
+    """What the API server reads of the engine: config, tokenizer, the edge checks, the
+    reasoning parser and a grammar compiler for early 400s (its own, inline: no worker)."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.checks = RequestChecks(config, tokenizer)
+        self.reasoning: ReasoningParser | None = None if config.reasoning_parser is None \
+            else get_reasoning_parser(config.reasoning_parser)(tokenizer)
+        self.structured = StructuredOutputManager(
+            dataclasses.replace(config.structured_outputs, worker="inline"), tokenizer,
+            config.model.vocab_size, max_rows=config.scheduler.max_num_seqs, cuda=False)
+
+    def tokenize_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
+        return self.checks.tokenize_prompt(prompt)
+
+    def check_fits(self, num_prompt: int, max_tokens: int | None) -> None:
+        self.checks.check_fits(num_prompt, max_tokens)
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, observer: EngineObserver | None = None) -> None:
+        self.frontend = Frontend(config, Tokenizer.from_pretrained(config.model.model))
+        self.observer: EngineObserver = observer or _NullObserver()
+        self.error: BaseException | None = None
+        self.counters = _Counters()
+        self.dead = threading.Event()  # set when the core process died
+        self._processor = OutputProcessor(self.frontend.tokenizer)
+        self._live: dict[str, TrackedRequest] = {}
+        self._lock = threading.Lock()  # _live and the processor: callers' threads vs the reader
+        self._stop = False
+        self._calls: dict[int, concurrent.futures.Future[Any]] = {}  # utility calls in flight
+        self._call_ids = itertools.count()
+        self.client = CoreClient(config)  # starts the core process; raises its start-up error
+        self._reader = threading.Thread(target=self._read, name="photon-outputs", daemon=True)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        if not self._reader.is_alive() and not self._stop:
+            self._reader.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        if self._reader.is_alive():
+            self._reader.join(timeout)
+        self.client.close()
+        self.frontend.structured.shutdown()
+        self._fail_all(EngineDeadError("the engine is shutting down"))
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and not self._stop and self.client.alive
+
+    # ---- requests -------------------------------------------------------------------------------
+    async def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                          sink: RequestSink, tag: Any = None,
+                          arrival_time: float | None = None) -> None:
+        """Check the request (raises ValueError) and send it to the core."""
+        self._check_alive()
+        self.frontend.checks.check(prompt_ids, params)
+        arrival = arrival_time or time.monotonic()
+        entry = TrackedRequest(request_id, sink, tag, arrival, len(prompt_ids))
+        with self._lock:
+            if request_id in self._live:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._live[request_id] = entry
+            self._processor.add(request_id, prompt_ids, params, arrival)
+        self.client.send(AddRequest(request_id, prompt_ids, params, arrival))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (idempotent; unknown or finished ids are ignored)."""
+        if self.client.alive:
+            self.client.send(Abort([request_id]))
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """One request's delta outputs; leaving the loop early aborts the request."""
+        sink = RequestSink()
+        await self.add_request(prompt_ids, params, request_id, sink)
+        finished = False
+        try:
+            while not finished:
+                _, item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def call_utility(self, method: str, timeout: float = 30.0) -> int | str | None:
+        """Run one of the core's utility methods (photon.engine.core_proc.UTILITIES, or
+        "pause" / "resume": no step runs while paused) between two steps; blocks the calling
+        thread for its result. A failed check raises AssertionError, other errors RuntimeError."""
+        self._check_alive()
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            call_id = next(self._call_ids)
+            self._calls[call_id] = fut
+        self.client.send(Utility(call_id, method))
+        return fut.result(timeout)
+
+    def _check_alive(self) -> None:
+        if not self.healthy:
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+
+    # ---- the reader thread ----------------------------------------------------------------------
+    def _read(self) -> None:
+        while not self._stop:
+            msg = self.client.recv(_POLL_MS)
+            if msg is None:
+                if not self.client.alive and not self._stop:
+                    self._core_died()
+                    return
+                continue
+            now = time.monotonic()
+            for delta in msg.requests:
+                self._dispatch(delta, now)
+            for result in msg.utility:
+                self._answer(result)
+            self.counters.num_waiting = msg.stats.num_waiting
+            self.counters.num_running = msg.stats.num_running
+            self.observer.on_step(msg.step_s, msg.gap_s, msg.stats)
+
+    def _dispatch(self, delta: Any, now: float) -> None:
+        with self._lock:
+            entry = self._live.get(delta.request_id)
+            if entry is None:
+                return
+            out, stopped = self._processor.process(delta)
+            if out is not None and out.finished:
+                del self._live[delta.request_id]
+        if stopped:
+            self.client.send(Abort(stopped))
+        if out is not None:
+            self.observer.on_output(entry, out, now)
+            entry.sink.put_threadsafe((entry.tag, out))
+
+    def _answer(self, result: UtilityResult) -> None:
+        with self._lock:
+            fut = self._calls.pop(result.call_id, None)
+        if fut is None:
+            return
+        if result.error is None:
+            fut.set_result(result.value)
+        elif result.error.startswith("AssertionError"):
+            fut.set_exception(AssertionError(result.error))
+        else:
+            fut.set_exception(RuntimeError(result.error))
+
+    def _core_died(self) -> None:
+        code = self.client.exitcode
+        self.error = EngineDeadError(f"the engine core process exited (exit code {code})")
+        self.dead.set()
+        self._fail_all(self.error)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            live, self._live = list(self._live.values()), {}
+            calls, self._calls = list(self._calls.values()), {}
+            for entry in live:
+                self._processor.remove(entry.request_id)
+        for entry in live:
+            entry.sink.put_threadsafe((entry.tag, exc))
+        for fut in calls:
+            fut.set_exception(exc)

@@ -1,0 +1,196 @@
+"""The engine-core process: the scheduler, KV cache, model runner and pipelined loop, alone.
+
+`run_engine_core` is the process's entry point. Its loop does nothing but engine work: it drains
+the input socket (requests, aborts), runs one `EngineCore.step()` and sends one `StepOutputs`
+message with every touched request's delta: no HTTP, no detokenization, no JSON. With no work it
+blocks on the input socket (waking every second to notice a dead parent: the core never outlives
+its front end). SIGTERM and SIGINT end the loop between steps; the front end stops it with a
+`Shutdown` message.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from photon.config import EngineConfig
+from photon.engine.engine_core import EngineCore
+from photon.engine.messages import (
+    Abort,
+    AddRequest,
+    ChildDelta,
+    CoreFailed,
+    CoreInput,
+    CoreReady,
+    RequestDelta,
+    Shutdown,
+    StepOutputs,
+    Utility,
+    UtilityResult,
+)
+from photon.outputs import RequestOutput
+
+_IDLE_POLL_MS = 1000
+
+
+def _check_drained(core: EngineCore) -> None:
+    assert not core.has_unfinished(), "work still pending (aborts not yet reported?)"
+    core.assert_drained()
+
+
+# What a front end may run in the core between steps (tests, drain checks, pausing).
+UTILITIES: dict[str, Callable[[EngineCore], int | str | None]] = {
+    "check_drained": _check_drained,
+    "num_running": lambda core: core.stats().num_running,
+}
+
+
+@dataclass(frozen=True)
+class CoreAddresses:
+    inputs: str  # the front end binds it (PUSH); the core connects (PULL)
+    outputs: str  # the core connects (PUSH); the front end binds it (PULL)
+
+
+def main() -> None:
+    """`python -m photon.engine.core_proc`: the engine config and socket addresses come pickled
+    on stdin from the front end (`CoreClient`), which started this process."""
+    config, addresses = pickle.load(sys.stdin.buffer)
+    sys.stdin.close()
+    run_engine_core(config, addresses)
+
+
+def run_engine_core(config: EngineConfig, addresses: CoreAddresses) -> None:
+    """Connect, build the engine, report ready (or the start-up error), serve."""
+    stop = {"now": False}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(addresses.inputs)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow front end
+    outputs.connect(addresses.outputs)
+    encoder = msgspec.msgpack.Encoder()
+    core = None
+    try:
+        core = EngineCore(config, detokenize=False)
+        core.structured.start()  # the grammar worker boots now, not with the first grammar
+        outputs.send(encoder.encode(CoreReady(core.runner.num_blocks, os.getpid())))
+        _CoreLoop(core, inputs, outputs, stop).run()
+    except Exception as e:  # noqa: BLE001 - reported to the front end, which raises it
+        if core is None:
+            outputs.send(encoder.encode(CoreFailed(type(e).__name__, str(e))))
+        else:
+            raise
+    finally:
+        if core is not None:
+            core.structured.shutdown()
+        inputs.close(linger=0)
+        outputs.close(linger=1000)
+        ctx.term()
+
+
+class _CoreLoop:
+    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket,
+                 stop: dict[str, bool]) -> None:
+        self.core = core
+        self.inputs = inputs
+        self.outputs = outputs
+        self.stop = stop
+        self.decoder = msgspec.msgpack.Decoder(CoreInput)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.parent = os.getppid()
+        self.rejected: list[RequestDelta] = []  # adds that failed, reported with the next send
+        self.results: list[UtilityResult] = []  # utility calls answered, sent with the next send
+        self.paused = False  # no step runs while paused (inputs are still applied)
+
+    def run(self) -> None:
+        last_end: float | None = None
+        while not self.stop["now"] and os.getppid() == self.parent:
+            busy = self.core.has_unfinished() and not self.paused
+            if not self._receive(block=not busy):
+                break
+            if self.paused or not self.core.has_unfinished():
+                self._send([], None, None)  # rejected adds, and gauges back to zero
+                last_end = None
+                continue
+            start = time.monotonic()
+            outs = self.core.step()
+            end = time.monotonic()
+            gap = start - last_end if last_end is not None else None
+            self._send(outs, end - start, gap)
+            last_end = end if self.core.has_unfinished() else None
+
+    def _receive(self, block: bool) -> bool:
+        """Apply every queued input (waiting for one when idle); False once told to stop."""
+        if block:
+            while not self.inputs.poll(_IDLE_POLL_MS):
+                if self.stop["now"] or os.getppid() != self.parent:
+                    return False
+        while True:
+            try:
+                frame = self.inputs.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            if not self._apply(self.decoder.decode(frame.buffer)):
+                return False
+
+    def _apply(self, msg: CoreInput) -> bool:
+        if isinstance(msg, AddRequest):
+            try:
+                self.core.add_request(msg.prompt_token_ids, msg.params, msg.request_id,
+                                      delta=True)
+            except Exception as e:  # noqa: BLE001 - one request must not stop the core
+                self.rejected.append(RequestDelta(msg.request_id, [], True, error=str(e)))
+        elif isinstance(msg, Abort):
+            for rid in msg.request_ids:
+                self.core.abort(rid)
+        elif isinstance(msg, Utility):
+            self.results.append(self._utility(msg))
+        elif isinstance(msg, Shutdown):
+            return False
+        return True
+
+    def _utility(self, msg: Utility) -> UtilityResult:
+        if msg.method in ("pause", "resume"):
+            self.paused = msg.method == "pause"
+            return UtilityResult(msg.call_id)
+        fn = UTILITIES.get(msg.method)
+        if fn is None:
+            return UtilityResult(msg.call_id, error=f"unknown utility {msg.method!r}")
+        try:
+            return UtilityResult(msg.call_id, fn(self.core))
+        except Exception as e:  # noqa: BLE001 - the caller gets it
+            return UtilityResult(msg.call_id, error=f"{type(e).__name__}: {e}")
+
+    def _send(self, outs: list[RequestOutput], step_s: float | None, gap_s: float | None
+              ) -> None:
+        deltas = self.rejected + [_delta(o) for o in outs]
+        msg = StepOutputs(deltas, self.core.stats(), step_s, gap_s, self.results)
+        self.rejected, self.results = [], []
+        self.outputs.send(self.encoder.encode(msg), copy=False)
+
+
+def _delta(out: RequestOutput) -> RequestDelta:
+    children = [ChildDelta(c.index, c.token_ids, c.finish_reason, c.stop_reason,
+                           c.cumulative_logprob, c.logprobs) for c in out.outputs]
+    first = out.metrics.first_scheduled_time if out.metrics is not None else None
+    return RequestDelta(out.request_id, children, out.finished, first, out.prompt_logprobs,
+                        out.num_cached_tokens, out.error)
+
+
+if __name__ == "__main__":
+    main()

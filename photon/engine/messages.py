@@ -1,0 +1,93 @@
+"""The messages between the front end (`AsyncLLM`) and the engine-core process (`core_proc`).
+
+Front end -> core: `AddRequest` (a request the front end already checked), `Abort` (request ids,
+or child sequence ids of an n > 1 request), `Shutdown`. Core -> front end: one `StepOutputs` per
+engine step with every touched request's delta (new token ids, finish, logprobs) and the engine's
+stats. All of it is msgspec-encoded msgpack: plain values and dataclasses, never pickle.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from photon.engine.engine_core import EngineStats
+from photon.outputs import Logprob
+from photon.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float  # time.monotonic() of the front end (one clock per machine)
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]  # parent ids, or child ids (`{parent}-{index}`) of n > 1 requests
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+class Utility(msgspec.Struct, tag="utility", array_like=True):
+    """Run one of the core's utility methods between two steps (`core_proc.UTILITIES`); its
+    result comes back in a `StepOutputs`."""
+
+    call_id: int
+    method: str
+
+
+CoreInput = AddRequest | Abort | Shutdown | Utility
+
+
+class UtilityResult(msgspec.Struct, array_like=True):
+    call_id: int
+    value: int | str | None = None
+    error: str | None = None  # the method raised (an AssertionError's message, for checks)
+
+
+class ChildDelta(msgspec.Struct, array_like=True):
+    """What one sequence of a request produced since the last step (usually one token)."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None  # without text: the front end decodes it
+
+
+class RequestDelta(msgspec.Struct, array_like=True):
+    request_id: str
+    children: list[ChildDelta]
+    finished: bool
+    first_scheduled_time: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # sent once, when complete
+    num_cached_tokens: int | None = None
+    error: str | None = None
+
+
+class StepOutputs(msgspec.Struct, array_like=True):
+    requests: list[RequestDelta]
+    stats: EngineStats
+    step_s: float | None  # the step's duration (None: no step ran, e.g. a rejected add)
+    gap_s: float | None  # host time between this step and the previous one
+    utility: list[UtilityResult] = []
+
+
+class CoreReady(msgspec.Struct, tag="ready", array_like=True):
+    """The core's first message once its engine is built."""
+
+    num_blocks: int
+    pid: int
+
+
+class CoreFailed(msgspec.Struct, tag="failed", array_like=True):
+    """The core's first message when building its engine failed (it exits after it)."""
+
+    kind: str  # the exception's type name
+    message: str
+
+
+CoreStarted = CoreReady | CoreFailed
