@@ -21,13 +21,11 @@ import pytest
 
 from photon.cli import build_parser
 from photon.config import EngineArgs
-from photon.engine.async_engine import AsyncEngine
-from photon.engine.engine_core import EngineCore
 from photon.model.tiny import ensure_photon_tiny
 from photon.server.app import build_app
 from photon.server.launch import server_config
 from photon.server.openai_serving import ServerConfig
-from tests.server_util import TINY_ARGS, LiveServer, serve_app
+from tests.server_util import TINY_ARGS, LiveServer, make_engine, serve_app
 
 TOOLS_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n# Tools\n<tools>"
@@ -79,8 +77,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Live
     config = EngineArgs(**{**TINY_ARGS, "model": path, "served_model_name": MODEL,
                            "max_model_len": 1024}
                         ).create_config()
-    engine = AsyncEngine(EngineCore(config))
-    engine.engine.structured.start(wait_s=120)
+    engine = make_engine(config)
+    engine.frontend.structured.start(wait_s=120)
     base = {"served_model_name": MODEL, "max_model_len": config.model.max_model_len}
     configs = {"off": ServerConfig(**base)}
     configs.update({p: ServerConfig(**base, enable_auto_tool_choice=True, tool_call_parser=p)
