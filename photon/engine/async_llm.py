@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import gc
 import itertools
 import threading
 import time
@@ -62,6 +63,24 @@ class Frontend:
         self.checks.check_fits(num_prompt, max_tokens)
 
 
+def hand_over(ready: list[tuple[RequestSink, tuple[Any, RequestOutput]]]) -> None:
+    """Put one step's outputs into their sinks with one wake-up per event loop, not one per
+    request (each cross-thread call writes to the loop's self-pipe)."""
+    by_loop: dict[Any, list[tuple[RequestSink, tuple[Any, RequestOutput]]]] = {}
+    for sink, item in ready:
+        by_loop.setdefault(sink.loop, []).append((sink, item))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:
+            pass  # that loop is closed: nobody is listening any more
+
+
+def _put_all(items: list[tuple[RequestSink, tuple[Any, RequestOutput]]]) -> None:
+    for sink, item in items:
+        sink.queue.put_nowait(item)
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig, observer: EngineObserver | None = None) -> None:
         self.frontend = Frontend(config, Tokenizer.from_pretrained(config.model.model))
@@ -77,6 +96,11 @@ class AsyncLLM:
         self._call_ids = itertools.count()
         self.client = CoreClient(config)  # starts the core process; raises its start-up error
         self._reader = threading.Thread(target=self._read, name="photon-outputs", daemon=True)
+        # Everything alive now (tokenizer tables, the grammar compiler) stays out of the
+        # collector's reach: every step's messages allocate many small objects, and each
+        # collection would otherwise rescan all of it on the thread that hands out the outputs.
+        gc.collect()
+        gc.freeze()
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -159,15 +183,18 @@ class AsyncLLM:
                     return
                 continue
             now = time.monotonic()
+            ready: list[tuple[RequestSink, tuple[Any, RequestOutput]]] = []
             for delta in msg.requests:
-                self._dispatch(delta, now)
+                self._dispatch(delta, now, ready)
+            hand_over(ready)
             for result in msg.utility:
                 self._answer(result)
             self.counters.num_waiting = msg.stats.num_waiting
             self.counters.num_running = msg.stats.num_running
             self.observer.on_step(msg.step_s, msg.gap_s, msg.stats)
 
-    def _dispatch(self, delta: Any, now: float) -> None:
+    def _dispatch(self, delta: Any, now: float,
+                  ready: list[tuple[RequestSink, tuple[Any, RequestOutput]]]) -> None:
         with self._lock:
             entry = self._live.get(delta.request_id)
             if entry is None:
@@ -179,7 +206,7 @@ class AsyncLLM:
             self.client.send(Abort(stopped))
         if out is not None:
             self.observer.on_output(entry, out, now)
-            entry.sink.put_threadsafe((entry.tag, out))
+            ready.append((entry.sink, (entry.tag, out)))
 
     def _answer(self, result: UtilityResult) -> None:
         with self._lock:
