@@ -82,7 +82,10 @@ def _put_all(items: list[tuple[RequestSink, tuple[Any, RequestOutput]]]) -> None
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, observer: EngineObserver | None = None) -> None:
+    def __init__(self, config: EngineConfig, observer: EngineObserver | None = None,
+                 client: CoreClient | None = None) -> None:
+        """`client`: attach to a core another process started (`CoreClient.attach`); by
+        default this front end starts a core of its own."""
         self.frontend = Frontend(config, Tokenizer.from_pretrained(config.model.model))
         self.observer: EngineObserver = observer or _NullObserver()
         self.error: BaseException | None = None
@@ -94,7 +97,8 @@ class AsyncLLM:
         self._stop = False
         self._calls: dict[int, concurrent.futures.Future[Any]] = {}  # utility calls in flight
         self._call_ids = itertools.count()
-        self.client = CoreClient(config)  # starts the core process; raises its start-up error
+        # Starts the core process (raises its start-up error), unless attached to one.
+        self.client = client if client is not None else CoreClient.spawn(config)
         self._reader = threading.Thread(target=self._read, name="photon-outputs", daemon=True)
         # Everything alive now (tokenizer tables, the grammar compiler) stays out of the
         # collector's reach: every step's messages allocate many small objects, and each

@@ -1,13 +1,18 @@
-"""The front end's end of an engine-core process: start it, talk to it, notice when it dies.
+"""The front end's end of an engine-core process: start it (or attach to it), talk to it, notice
+when it dies.
 
-The client binds two ZeroMQ sockets on IPC paths of a private temporary directory (inputs: PUSH,
-outputs: PULL), starts `python -m photon.engine.core_proc` (the engine config arrives pickled on
-its stdin) and waits for its first message: ready, or the start-up error, raised here with its
-type and message. `send` may be called from any thread; `recv` from one reader thread only.
+A client binds its two ZeroMQ sockets (inputs: PUSH, outputs: PULL) on IPC paths of a private
+temporary directory; the core connects to them. `CoreClient.spawn` also starts the core (`python
+-m photon.engine.core_proc`, the engine config pickled on its stdin) as its child: one front end.
+`CoreClient.attach` is for the API servers of `photon serve --api-server-count N`, whose core the
+launcher started with every client's addresses. Either way the client waits for the core's first
+message: ready, or the start-up error, raised here with its type and message. `send` may be
+called from any thread; `recv` from one reader thread only.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 import subprocess
@@ -20,7 +25,7 @@ import msgspec
 import zmq
 
 from photon.config import EngineConfig
-from photon.engine.core_proc import CoreAddresses
+from photon.engine.core_proc import ClientAddresses, client_addresses
 from photon.engine.messages import (
     CoreFailed,
     CoreInput,
@@ -38,53 +43,103 @@ class CoreStartError(RuntimeError):
     """The engine-core process failed to start."""
 
 
+def start_core(config: EngineConfig, clients: list[ClientAddresses]) -> subprocess.Popen:
+    """Start an engine-core process that serves `clients` (each binds its own addresses)."""
+    proc = subprocess.Popen([sys.executable, "-m", "photon.engine.core_proc"],
+                            stdin=subprocess.PIPE)
+    proc.stdin.write(pickle.dumps((config, clients)))
+    proc.stdin.close()
+    return proc
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
 class CoreClient:
-    def __init__(self, config: EngineConfig) -> None:
-        self._dir = tempfile.mkdtemp(prefix="photon-core-")
-        self.addresses = CoreAddresses(f"ipc://{self._dir}/inputs", f"ipc://{self._dir}/outputs")
+    def __init__(self, addresses: ClientAddresses, index: int = 0,
+                 directory: str | None = None) -> None:
+        self.index = index  # which of the core's front ends this is (tagged on every message)
+        self._dir = directory  # removed on close when this client made it
+        self.proc: subprocess.Popen | None = None  # the core, when this client started it
+        self.core_pid: int | None = None
         self._ctx = zmq.Context()
         self._inputs = self._ctx.socket(zmq.PUSH)
         self._inputs.setsockopt(zmq.SNDHWM, 0)
-        self._inputs.bind(self.addresses.inputs)
+        self._inputs.bind(addresses.inputs)
         self._outputs = self._ctx.socket(zmq.PULL)
-        self._outputs.bind(self.addresses.outputs)
+        self._outputs.bind(addresses.outputs)
         self._send_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(StepOutputs)
-        self.proc = subprocess.Popen([sys.executable, "-m", "photon.engine.core_proc"],
-                                     stdin=subprocess.PIPE)
-        try:
-            self.proc.stdin.write(pickle.dumps((config, self.addresses)))
-            self.proc.stdin.close()
-            self.ready = self._wait_ready()
-        except BaseException:
-            self.close()
-            raise
+        self.ready: CoreReady | None = None
 
-    def _wait_ready(self) -> CoreReady:
+    @classmethod
+    def spawn(cls, config: EngineConfig) -> CoreClient:
+        """Start a core of its own (this front end is its only client)."""
+        directory = tempfile.mkdtemp(prefix="photon-core-")
+        addresses = client_addresses(directory, 1)
+        client = cls(addresses[0], 0, directory)
+        try:
+            client.proc = start_core(config, addresses)
+            client.core_pid = client.proc.pid
+            client.wait_ready()
+        except BaseException:
+            client.close()
+            raise
+        return client
+
+    @classmethod
+    def attach(cls, addresses: ClientAddresses, index: int, core_pid: int) -> CoreClient:
+        """Front end `index` of a core another process started."""
+        client = cls(addresses, index)
+        client.core_pid = core_pid
+        try:
+            client.wait_ready()
+        except BaseException:
+            client.close()
+            raise
+        return client
+
+    def wait_ready(self) -> None:
         decoder = msgspec.msgpack.Decoder(CoreStarted)
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not self._outputs.poll(_POLL_MS):
-            if self.proc.poll() is not None:
+            if not self.alive:
                 raise CoreStartError(f"the engine core exited while starting (exit code "
-                                     f"{self.proc.returncode})")
+                                     f"{self.exitcode})")
             if time.monotonic() > deadline:
                 raise CoreStartError(f"the engine core did not start within "
                                      f"{_START_TIMEOUT_S:g} s")
         msg = decoder.decode(self._outputs.recv())
         if isinstance(msg, CoreFailed):
             raise CoreStartError(f"{msg.kind}: {msg.message}")
-        return msg
+        self.ready = msg
 
     @property
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return self.core_pid is not None and pid_alive(self.core_pid)
 
     @property
     def exitcode(self) -> int | None:
-        return self.proc.poll()
+        return self.proc.poll() if self.proc is not None else None
 
     def send(self, msg: CoreInput) -> None:
+        if hasattr(msg, "client"):
+            msg.client = self.index
         data = self._encoder.encode(msg)
         with self._send_lock:
             self._inputs.send(data, copy=False)
@@ -96,7 +151,17 @@ class CoreClient:
         return self._decoder.decode(self._outputs.recv(copy=False).buffer)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Ask the core to stop, then make sure it did (terminate, then kill); idempotent."""
+        """Stop the core if this client started it (Shutdown, then terminate, then kill), close
+        the sockets; idempotent."""
+        if self.proc is not None:
+            self._stop_core(timeout_s)
+        self._inputs.close(linger=0)
+        self._outputs.close(linger=0)
+        self._ctx.term()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _stop_core(self, timeout_s: float) -> None:
         if self.alive:
             try:
                 self.send(Shutdown())
@@ -112,7 +177,3 @@ class CoreClient:
                 self.proc.wait(wait_s)
             except subprocess.TimeoutExpired:
                 pass
-        self._inputs.close(linger=0)
-        self._outputs.close(linger=0)
-        self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)

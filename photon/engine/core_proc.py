@@ -55,21 +55,31 @@ UTILITIES: dict[str, Callable[[EngineCore], int | str | None]] = {
 
 
 @dataclass(frozen=True)
-class CoreAddresses:
-    inputs: str  # the front end binds it (PUSH); the core connects (PULL)
-    outputs: str  # the core connects (PUSH); the front end binds it (PULL)
+class ClientAddresses:
+    """One front end's sockets: it binds both, the core connects to both."""
+
+    inputs: str  # front end PUSH -> core PULL
+    outputs: str  # core PUSH -> front end PULL
+
+
+def client_addresses(directory: str, count: int) -> list[ClientAddresses]:
+    """IPC addresses for `count` front ends (API servers) in a private directory."""
+    return [ClientAddresses(f"ipc://{directory}/inputs-{i}", f"ipc://{directory}/outputs-{i}")
+            for i in range(count)]
 
 
 def main() -> None:
     """`python -m photon.engine.core_proc`: the engine config and socket addresses come pickled
     on stdin from the front end (`CoreClient`), which started this process."""
-    config, addresses = pickle.load(sys.stdin.buffer)
+    config, clients = pickle.load(sys.stdin.buffer)
     sys.stdin.close()
-    run_engine_core(config, addresses)
+    run_engine_core(config, clients)
 
 
-def run_engine_core(config: EngineConfig, addresses: CoreAddresses) -> None:
-    """Connect, build the engine, report ready (or the start-up error), serve."""
+def run_engine_core(config: EngineConfig, clients: list[ClientAddresses]) -> None:
+    """Connect to every front end, build the engine, report ready (or the start-up error) to
+    each, serve. One input socket takes every front end's messages; each front end gets the
+    outputs of its own requests (and every step's stats) on its own socket."""
     stop = {"now": False}
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -79,32 +89,41 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses) -> None:
     signal.signal(signal.SIGINT, on_signal)
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
-    inputs.connect(addresses.inputs)
-    outputs = ctx.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow front end
-    outputs.connect(addresses.outputs)
+    outputs = []
+    for client in clients:
+        inputs.connect(client.inputs)
+        out = ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow front end
+        out.connect(client.outputs)
+        outputs.append(out)
     encoder = msgspec.msgpack.Encoder()
     core = None
     try:
         core = EngineCore(config, detokenize=False)
         core.structured.start()  # the grammar worker boots now, not with the first grammar
-        outputs.send(encoder.encode(CoreReady(core.runner.num_blocks, os.getpid())))
+        _send_all(outputs, encoder.encode(CoreReady(core.runner.num_blocks, os.getpid())))
         _CoreLoop(core, inputs, outputs, stop).run()
-    except Exception as e:  # noqa: BLE001 - reported to the front end, which raises it
+    except Exception as e:  # noqa: BLE001 - reported to the front ends, which raise it
         if core is None:
-            outputs.send(encoder.encode(CoreFailed(type(e).__name__, str(e))))
+            _send_all(outputs, encoder.encode(CoreFailed(type(e).__name__, str(e))))
         else:
             raise
     finally:
         if core is not None:
             core.structured.shutdown()
         inputs.close(linger=0)
-        outputs.close(linger=1000)
+        for out in outputs:
+            out.close(linger=1000)
         ctx.term()
 
 
+def _send_all(outputs: list[zmq.Socket], data: bytes) -> None:
+    for out in outputs:
+        out.send(data, copy=False)
+
+
 class _CoreLoop:
-    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket,
+    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: list[zmq.Socket],
                  stop: dict[str, bool]) -> None:
         self.core = core
         self.inputs = inputs
@@ -113,8 +132,10 @@ class _CoreLoop:
         self.decoder = msgspec.msgpack.Decoder(CoreInput)
         self.encoder = msgspec.msgpack.Encoder()
         self.parent = os.getppid()
-        self.rejected: list[RequestDelta] = []  # adds that failed, reported with the next send
-        self.results: list[UtilityResult] = []  # utility calls answered, sent with the next send
+        self.client_of: dict[str, int] = {}  # request id -> the front end that sent it
+        # Per front end: adds that failed and utility calls answered, sent with the next send.
+        self.rejected: list[list[RequestDelta]] = [[] for _ in outputs]
+        self.results: list[list[UtilityResult]] = [[] for _ in outputs]
         self.paused = False  # no step runs while paused (inputs are still applied)
 
     def run(self) -> None:
@@ -153,13 +174,15 @@ class _CoreLoop:
             try:
                 self.core.add_request(msg.prompt_token_ids, msg.params, msg.request_id,
                                       delta=True)
+                self.client_of[msg.request_id] = msg.client
             except Exception as e:  # noqa: BLE001 - one request must not stop the core
-                self.rejected.append(RequestDelta(msg.request_id, [], True, error=str(e)))
+                self.rejected[msg.client].append(RequestDelta(msg.request_id, [], True,
+                                                              error=str(e)))
         elif isinstance(msg, Abort):
             for rid in msg.request_ids:
                 self.core.abort(rid)
         elif isinstance(msg, Utility):
-            self.results.append(self._utility(msg))
+            self.results[msg.client].append(self._utility(msg))
         elif isinstance(msg, Shutdown):
             return False
         return True
@@ -178,10 +201,18 @@ class _CoreLoop:
 
     def _send(self, outs: list[RequestOutput], step_s: float | None, gap_s: float | None
               ) -> None:
-        deltas = self.rejected + [_delta(o) for o in outs]
-        msg = StepOutputs(deltas, self.core.stats(), step_s, gap_s, self.results)
-        self.rejected, self.results = [], []
-        self.outputs.send(self.encoder.encode(msg), copy=False)
+        deltas = self.rejected
+        for out in outs:
+            client = self.client_of.get(out.request_id, 0)
+            if out.finished:
+                self.client_of.pop(out.request_id, None)
+            deltas[client].append(_delta(out))
+        stats = self.core.stats()
+        for i, sock in enumerate(self.outputs):
+            msg = StepOutputs(deltas[i], stats, step_s, gap_s, self.results[i])
+            sock.send(self.encoder.encode(msg), copy=False)
+        self.rejected = [[] for _ in self.outputs]
+        self.results = [[] for _ in self.outputs]
 
 
 def _delta(out: RequestOutput) -> RequestDelta:

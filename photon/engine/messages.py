@@ -20,6 +20,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float  # time.monotonic() of the front end (one clock per machine)
+    client: int = 0  # which front end sent it: its outputs go back there
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -36,6 +37,7 @@ class Utility(msgspec.Struct, tag="utility", array_like=True):
 
     call_id: int
     method: str
+    client: int = 0
 
 
 CoreInput = AddRequest | Abort | Shutdown | Utility

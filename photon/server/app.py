@@ -17,7 +17,7 @@ from photon.engine.async_engine import AsyncEngine
 from photon.server.chat import ChatHandler
 from photon.server.completions import CompletionHandler
 from photon.server.errors import bad_request, error_response, install_handlers
-from photon.server.metrics import ServerMetrics
+from photon.server.metrics import RequestMetricsOnly, ServerMetrics
 from photon.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from photon.server.openai_serving import ServerConfig, Serving
 from photon.server.protocol import (
@@ -43,12 +43,12 @@ _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"t
 _STREAMING = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+def build_app(engine: AsyncEngine, config: ServerConfig, engine_metrics: bool = True) -> FastAPI:
     """The OpenAI-compatible app. Attaches its metrics to `engine` and starts the engine thread
     (idempotent). The caller owns the engine and shuts it down (`engine.shutdown()`): not the
     app's lifespan, which in-process ASGI clients may run once per request."""
     metrics = ServerMetrics(config.served_model_name)
-    engine.observer = metrics
+    engine.observer = metrics if engine_metrics else RequestMetricsOnly(metrics)
     engine.start()
     app = FastAPI(title="photon", version=__version__)
     app.state.engine, app.state.config, app.state.metrics = engine, config, metrics

@@ -34,6 +34,9 @@ def add_serve(sub: Any) -> None:
     p.add_argument("--allowed-origins", nargs="*", default=None,
                    help="Enable CORS for these origins (default: CORS off).")
     p.add_argument("--log-level", default="info", help="uvicorn log level.")
+    p.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="API server processes on the port, all feeding one engine core: more "
+                        "of them keep up with more concurrent streams (default 1).")
     p.add_argument("--chat-template", default=None, metavar="PATH|TEMPLATE",
                    help="The chat template for /v1/chat/completions: a Jinja file's path or the "
                         "template itself (default: the model's own).")
@@ -106,6 +109,12 @@ def run_serve(ns: argparse.Namespace) -> int:
     model = config.model
     scfg = server_config(ns, model.served_model_name, model.max_model_len)
     print_model_notices(model)
+    if ns.api_server_count < 1:
+        raise ValueError("--api-server-count must be >= 1")
+    if ns.api_server_count > 1:
+        from photon.server.multi import serve_many
+
+        return serve_many(config, scfg, ns.host, ns.port, ns.api_server_count, ns.log_level)
     engine = AsyncLLM(config)  # the engine core runs in a process of its own
     try:
         uvicorn.run(build_app(engine, scfg), host=ns.host, port=ns.port,

@@ -19,9 +19,17 @@ Everything is observed on the engine thread (`EngineObserver`), never scraped fr
 
 from __future__ import annotations
 
+import os
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 
 from photon.engine.async_engine import TrackedRequest
 from photon.engine.engine_core import EngineStats
@@ -46,7 +54,9 @@ class ServerMetrics:
         self._make_histograms(model_name)
 
     def _gauge(self, name: str, doc: str, model: str) -> Gauge:
-        return Gauge(f"photon:{name}", doc, ["model_name"], registry=self.registry).labels(model)
+        # With several API servers only the first sets the engine's gauges (the others keep 0).
+        return Gauge(f"photon:{name}", doc, ["model_name"], registry=self.registry,
+                     multiprocess_mode="livemax").labels(model)
 
     def _counter(self, name: str, doc: str, model: str) -> Counter:
         return Counter(f"photon:{name}", doc, ["model_name"], registry=self.registry).labels(model)
@@ -143,4 +153,24 @@ class ServerMetrics:
             self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """This server's metrics; with several API servers (PROMETHEUS_MULTIPROC_DIR set), all
+        of theirs: counters and histograms summed, the engine's gauges from the first."""
+        if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)
+
+
+class RequestMetricsOnly:
+    """An observer that passes on per-request events only: the API servers after the first
+    leave the engine's gauges and counters (the same for every server) to the first."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def on_step(self, step_s: float | None, gap_s: float | None, stats: EngineStats) -> None:
+        pass
+
+    def on_output(self, entry: TrackedRequest, output: RequestOutput, now: float) -> None:
+        self.metrics.on_output(entry, output, now)
