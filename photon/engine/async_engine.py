@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import itertools
 import queue
 import threading
 import time
@@ -26,14 +28,19 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from photon.engine.engine_core import EngineCore, EngineStats
-from photon.outputs import RequestOutput
+from photon.outputs import CompletionOutput, RequestOutput
 from photon.sampling_params import SamplingParams
 
 T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread has stopped after an internal error; no request can run."""
+    """The engine has stopped (an internal error, its process died, or shutdown); no request can
+    run. A request that was running when it stopped fails with this error."""
+
+
+class EngineUnavailableError(EngineDeadError):
+    """A new request refused because the engine has stopped (the server answers 503)."""
 
 
 class EngineObserver(Protocol):
@@ -50,17 +57,81 @@ class EngineObserver(Protocol):
 class RequestSink:
     """Outputs of one or more requests, delivered onto the creating asyncio loop.
 
-    Items are `(tag, RequestOutput)` or `(tag, Exception)`."""
+    Items are `(tag, RequestOutput)` or `(tag, Exception)`. Back-pressure: a request's outputs
+    that the consumer has not taken yet are merged into one (`merge_outputs`), so a slow
+    consumer gets several steps' tokens at once and what waits here is bounded by the outputs'
+    own size, not by the number of steps. Items of different requests keep their order of
+    arrival; an exception is never merged."""
 
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[tuple[Any, RequestOutput | BaseException]] = asyncio.Queue()
+        self._lock = threading.Lock()  # _pending and _woken: the producer's thread vs the loop
+        self._pending: dict[Any, tuple[Any, RequestOutput | BaseException]] = {}
+        self._woken = False  # a wake-up is scheduled on the loop and has not run yet
+        self._ready = asyncio.Event()  # loop thread only
+        self._errors = itertools.count()  # keys of exceptions: each is its own item
 
     def put_threadsafe(self, item: tuple[Any, RequestOutput | BaseException]) -> None:
+        """Hand an item over from any thread (the engine's, the reader's, the loop's own)."""
+        tag, value = item
+        with self._lock:
+            if isinstance(value, BaseException):
+                self._pending[("error", next(self._errors))] = item
+            else:
+                held = self._pending.get(value.request_id)
+                merged = value if held is None else merge_outputs(held[1], value)
+                self._pending[value.request_id] = (tag, merged)
+            if self._woken:
+                return
+            self._woken = True
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._wake)
         except RuntimeError:
             pass  # the caller's loop is closed: nobody is listening any more
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._woken = False
+        self._ready.set()
+
+    async def get(self) -> tuple[Any, RequestOutput | BaseException]:
+        """The oldest item (a request's outputs since the last get, merged)."""
+        while True:
+            with self._lock:
+                if self._pending:
+                    key = next(iter(self._pending))
+                    return self._pending.pop(key)
+                self._ready.clear()
+            await self._ready.wait()
+
+
+def merge_outputs(first: RequestOutput | BaseException, then: RequestOutput) -> RequestOutput:
+    """Two consecutive delta outputs of one request as one: each sequence's token ids, text and
+    logprobs concatenated; the latest finish, stop reason, cumulative logprob and error;
+    the prompt's logprobs and cached-token count from whichever output carried them."""
+    assert isinstance(first, RequestOutput)
+    children = {c.index: c for c in first.outputs}
+    for c in then.outputs:
+        held = children.get(c.index)
+        children[c.index] = c if held is None else _merge_child(held, c)
+    return dataclasses.replace(
+        first, outputs=list(children.values()), finished=then.finished,
+        metrics=first.metrics if first.metrics is not None else then.metrics,
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None
+        else then.prompt_logprobs,
+        num_cached_tokens=first.num_cached_tokens if first.num_cached_tokens is not None
+        else then.num_cached_tokens,
+        error=then.error if then.error is not None else first.error)
+
+
+def _merge_child(first: CompletionOutput, then: CompletionOutput) -> CompletionOutput:
+    logprobs = None if first.logprobs is None and then.logprobs is None \
+        else (first.logprobs or []) + (then.logprobs or [])
+    return CompletionOutput(first.index, first.text + then.text,
+                            list(first.token_ids) + list(then.token_ids),
+                            first.cumulative_logprob if then.cumulative_logprob is None
+                            else then.cumulative_logprob, logprobs, then.finish_reason,
+                            then.stop_reason)
 
 
 @dataclass
@@ -198,7 +269,7 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                _, item = await sink.queue.get()
+                _, item = await sink.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -209,7 +280,7 @@ class AsyncEngine:
 
     def _check_alive(self) -> None:
         if not self.healthy:
-            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+            raise EngineUnavailableError(stopped_message(self.error))
 
     # ---- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -262,7 +333,7 @@ class AsyncEngine:
 
     def _handle_add(self, cmd: _Add) -> None:
         if self._stop:
-            cmd.done(EngineDeadError("the engine is shutting down"))
+            cmd.done(EngineUnavailableError("the engine is shutting down"))
             return
         rid = cmd.entry.request_id
         try:
@@ -300,9 +371,17 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(cmd, _Add):
-                cmd.done(exc)
+                cmd.done(EngineUnavailableError(str(exc)))
             elif isinstance(cmd, _Call):
                 cmd.result.set_exception(exc)
+
+
+def stopped_message(error: BaseException | None) -> str:
+    """Why no new request can run, naming the cause when there is one."""
+    if error is None:
+        return "the engine has stopped"
+    text = str(error) if isinstance(error, EngineDeadError) else f"{type(error).__name__}: {error}"
+    return f"the engine has stopped: {text}"
 
 
 def _run_call(cmd: _Call) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -23,10 +24,12 @@ from photon.config import EngineConfig
 from photon.engine.async_engine import (
     EngineDeadError,
     EngineObserver,
+    EngineUnavailableError,
     RequestSink,
     TrackedRequest,
     _Counters,
     _NullObserver,
+    stopped_message,
 )
 from photon.engine.core_client import CoreClient
 from photon.engine.messages import Abort, AddRequest, Utility, UtilityResult
@@ -62,6 +65,17 @@ class Frontend:
         self.checks.check_fits(num_prompt, max_tokens)
 
 
+def exit_cause(code: int | None) -> str:
+    """What became of the engine-core process, from its exit status."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"the engine core process was killed by {name}"
+    return f"the engine core process exited unexpectedly (exit code {code})"
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig, observer: EngineObserver | None = None) -> None:
         self.frontend = Frontend(config, Tokenizer.from_pretrained(config.model.model))
@@ -91,6 +105,15 @@ class AsyncLLM:
         self.frontend.structured.shutdown()
         self._fail_all(EngineDeadError("the engine is shutting down"))
 
+    def abort_all(self, reason: str) -> None:
+        """End every open request now (the server is stopping): the core aborts them, their
+        streams fail with `EngineUnavailableError(reason)`."""
+        with self._lock:
+            ids = list(self._live)
+        if ids and self.client.alive:
+            self.client.send(Abort(ids))
+        self._fail_all(EngineUnavailableError(reason))
+
     @property
     def healthy(self) -> bool:
         return self.error is None and not self._stop and self.client.alive
@@ -105,6 +128,7 @@ class AsyncLLM:
         arrival = arrival_time or time.monotonic()
         entry = TrackedRequest(request_id, sink, tag, arrival, len(prompt_ids))
         with self._lock:
+            self._check_alive()  # again, under the lock: the reader may have failed all since
             if request_id in self._live:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._live[request_id] = entry
@@ -124,7 +148,7 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                _, item = await sink.queue.get()
+                _, item = await sink.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -140,6 +164,7 @@ class AsyncLLM:
         self._check_alive()
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
+            self._check_alive()
             call_id = next(self._call_ids)
             self._calls[call_id] = fut
         self.client.send(Utility(call_id, method))
@@ -147,7 +172,7 @@ class AsyncLLM:
 
     def _check_alive(self) -> None:
         if not self.healthy:
-            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+            raise EngineUnavailableError(stopped_message(self.error))
 
     # ---- the reader thread ----------------------------------------------------------------------
     def _read(self) -> None:
@@ -194,10 +219,12 @@ class AsyncLLM:
             fut.set_exception(RuntimeError(result.error))
 
     def _core_died(self) -> None:
-        code = self.client.exitcode
-        self.error = EngineDeadError(f"the engine core process exited (exit code {code})")
-        self.dead.set()
+        # Every request and call added before this point is failed below; later ones see
+        # `error` under the lock and are refused.
+        with self._lock:
+            self.error = EngineDeadError(exit_cause(self.client.exitcode))
         self._fail_all(self.error)
+        self.dead.set()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

@@ -51,8 +51,10 @@ class CoreClient:
         self._send_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(StepOutputs)
+        # A session of its own: a terminal's Ctrl-C reaches the front end only, which stops the
+        # core in order (the core never outlives it: it watches its parent).
         self.proc = subprocess.Popen([sys.executable, "-m", "photon.engine.core_proc"],
-                                     stdin=subprocess.PIPE)
+                                     stdin=subprocess.PIPE, start_new_session=True)
         try:
             self.proc.stdin.write(pickle.dumps((config, self.addresses)))
             self.proc.stdin.close()
