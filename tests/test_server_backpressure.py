@@ -10,7 +10,7 @@ import socket
 
 import httpx
 
-from photon.engine.async_engine import RequestSink, merge_outputs
+from photon.engine.request_sink import RequestSink, merge_outputs
 from photon.outputs import CompletionOutput, Logprob, RequestOutput
 from tests.server_util import live_server, wait_drained
 

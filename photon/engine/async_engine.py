@@ -4,22 +4,20 @@ Thread handoff:
 - callers (any asyncio loop) put commands (add / abort / call / stop) into a
   `queue.SimpleQueue`; the engine thread is the only one that touches the EngineCore (`call`
   runs a function there, between two steps);
-- outputs go back through `loop.call_soon_threadsafe` into the caller's `asyncio.Queue` (a
-  `RequestSink`; one sink may collect several requests, tagged, e.g. every prompt of one HTTP
-  request);
+- outputs go back into the caller's `RequestSink` (photon.engine.request_sink), which wakes
+  the caller's loop; one sink may collect several requests, tagged, e.g. every prompt of one
+  HTTP request, and merges a request's outputs the caller has not taken yet;
 - with no unfinished work the engine thread blocks on the command queue (no busy spin).
 
 Requests are added in delta mode: each output carries only new tokens/text. If `step()` raises,
 the thread records the error, fails every open stream with `EngineDeadError`, refuses new requests
-and exits; `healthy` turns false.
+(`EngineUnavailableError`) and exits; `healthy` turns false.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
-import itertools
 import queue
 import threading
 import time
@@ -28,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from photon.engine.engine_core import EngineCore, EngineStats
-from photon.outputs import CompletionOutput, RequestOutput
+from photon.engine.request_sink import RequestSink
+from photon.outputs import RequestOutput
 from photon.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -52,86 +51,6 @@ class EngineObserver(Protocol):
 
     def on_output(self, entry: TrackedRequest, output: RequestOutput, now: float) -> None:
         """For each output, before it is handed to the caller."""
-
-
-class RequestSink:
-    """Outputs of one or more requests, delivered onto the creating asyncio loop.
-
-    Items are `(tag, RequestOutput)` or `(tag, Exception)`. Back-pressure: a request's outputs
-    that the consumer has not taken yet are merged into one (`merge_outputs`), so a slow
-    consumer gets several steps' tokens at once and what waits here is bounded by the outputs'
-    own size, not by the number of steps. Items of different requests keep their order of
-    arrival; an exception is never merged."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self._lock = threading.Lock()  # _pending and _woken: the producer's thread vs the loop
-        self._pending: dict[Any, tuple[Any, RequestOutput | BaseException]] = {}
-        self._woken = False  # a wake-up is scheduled on the loop and has not run yet
-        self._ready = asyncio.Event()  # loop thread only
-        self._errors = itertools.count()  # keys of exceptions: each is its own item
-
-    def put_threadsafe(self, item: tuple[Any, RequestOutput | BaseException]) -> None:
-        """Hand an item over from any thread (the engine's, the reader's, the loop's own)."""
-        tag, value = item
-        with self._lock:
-            if isinstance(value, BaseException):
-                self._pending[("error", next(self._errors))] = item
-            else:
-                held = self._pending.get(value.request_id)
-                merged = value if held is None else merge_outputs(held[1], value)
-                self._pending[value.request_id] = (tag, merged)
-            if self._woken:
-                return
-            self._woken = True
-        try:
-            self.loop.call_soon_threadsafe(self._wake)
-        except RuntimeError:
-            pass  # the caller's loop is closed: nobody is listening any more
-
-    def _wake(self) -> None:
-        with self._lock:
-            self._woken = False
-        self._ready.set()
-
-    async def get(self) -> tuple[Any, RequestOutput | BaseException]:
-        """The oldest item (a request's outputs since the last get, merged)."""
-        while True:
-            with self._lock:
-                if self._pending:
-                    key = next(iter(self._pending))
-                    return self._pending.pop(key)
-                self._ready.clear()
-            await self._ready.wait()
-
-
-def merge_outputs(first: RequestOutput | BaseException, then: RequestOutput) -> RequestOutput:
-    """Two consecutive delta outputs of one request as one: each sequence's token ids, text and
-    logprobs concatenated; the latest finish, stop reason, cumulative logprob and error;
-    the prompt's logprobs and cached-token count from whichever output carried them."""
-    assert isinstance(first, RequestOutput)
-    children = {c.index: c for c in first.outputs}
-    for c in then.outputs:
-        held = children.get(c.index)
-        children[c.index] = c if held is None else _merge_child(held, c)
-    return dataclasses.replace(
-        first, outputs=list(children.values()), finished=then.finished,
-        metrics=first.metrics if first.metrics is not None else then.metrics,
-        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None
-        else then.prompt_logprobs,
-        num_cached_tokens=first.num_cached_tokens if first.num_cached_tokens is not None
-        else then.num_cached_tokens,
-        error=then.error if then.error is not None else first.error)
-
-
-def _merge_child(first: CompletionOutput, then: CompletionOutput) -> CompletionOutput:
-    logprobs = None if first.logprobs is None and then.logprobs is None \
-        else (first.logprobs or []) + (then.logprobs or [])
-    return CompletionOutput(first.index, first.text + then.text,
-                            list(first.token_ids) + list(then.token_ids),
-                            first.cumulative_logprob if then.cumulative_logprob is None
-                            else then.cumulative_logprob, logprobs, then.finish_reason,
-                            then.stop_reason)
 
 
 @dataclass
