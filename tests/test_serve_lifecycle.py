@@ -14,6 +14,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from photon.engine.async_llm import exit_cause
 from tests.serve_process import ServeProcess, cmdline, serve_process, wait_all_gone
 
 LONG = {"prompt": "once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}
@@ -82,6 +83,13 @@ def _check_refused(server: ServeProcess) -> None:
         return  # already gone
     assert health.status_code == 503
     assert new.status_code == 503 and new.json()["error"]["code"] == "engine_dead"
+
+
+@pytest.mark.parametrize("code, words", [
+    (-signal.SIGKILL, "killed by SIGKILL"), (-signal.SIGSEGV, "killed by SIGSEGV"),
+    (-200, "killed by signal 200"), (1, "exit code 1;")])
+def test_exit_cause_names_the_signal_or_status(code: int, words: str) -> None:
+    assert words in exit_cause(code)
 
 
 def _sigterm(server: ServeProcess) -> None:

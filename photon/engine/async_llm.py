@@ -73,7 +73,8 @@ def exit_cause(code: int | None) -> str:
         except ValueError:
             name = f"signal {-code}"
         return f"the engine core process was killed by {name}"
-    return f"the engine core process exited unexpectedly (exit code {code})"
+    return (f"the engine core process exited unexpectedly (exit code {code}; its error, if it "
+            f"raised one, is in the log above)")
 
 
 class AsyncLLM:
