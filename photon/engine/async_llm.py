@@ -172,8 +172,12 @@ class AsyncLLM:
         return fut.result(timeout)
 
     def _check_alive(self) -> None:
-        if not self.healthy:
-            raise EngineUnavailableError(stopped_message(self.error))
+        if self.healthy:
+            return
+        cause = self.error
+        if cause is None and not self.client.alive:  # dead, and the reader has not seen it yet
+            cause = EngineDeadError(exit_cause(self.client.exitcode))
+        raise EngineUnavailableError(stopped_message(cause))
 
     # ---- the reader thread ----------------------------------------------------------------------
     def _read(self) -> None:
