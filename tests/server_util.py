@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -64,22 +65,30 @@ def make_app(engine_args: dict[str, Any] | None = None, **server: Any) -> FastAP
 
 
 @contextmanager
-def live_server(engine_args: dict[str, Any] | None = None, **server: Any) -> Iterator[LiveServer]:
+def live_server(engine_args: dict[str, Any] | None = None, send_buffer: int | None = None,
+                **server: Any) -> Iterator[LiveServer]:
+    """`send_buffer`: the connections' kernel send buffer in bytes (default: the system's,
+    growing as needed), small to let a slow client hold the server up soon."""
     app = make_app(engine_args, **server)
     try:
-        with serve_app(app) as live:
+        with serve_app(app, send_buffer) as live:
             yield live
     finally:
         app.state.engine.shutdown()
 
 
 @contextmanager
-def serve_app(app: FastAPI) -> Iterator[LiveServer]:
+def serve_app(app: FastAPI, send_buffer: int | None = None) -> Iterator[LiveServer]:
     """Run `app` with uvicorn on a loopback port; the caller owns (and shuts down) its engine."""
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                             timeout_graceful_shutdown=2)
     srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer is not None:  # accepted connections inherit it
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    listener.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     try:
         wait_until(lambda: srv.started or not thread.is_alive(), "uvicorn starts")
@@ -90,6 +99,7 @@ def serve_app(app: FastAPI) -> Iterator[LiveServer]:
     finally:
         srv.should_exit = True
         thread.join(10)
+        listener.close()
 
 
 def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:

@@ -217,12 +217,23 @@ def _break_engine(s: LiveServer) -> None:
 
 
 def test_engine_death_gives_503_health() -> None:
+    """Once the engine has stopped, /health and /ping are 503 and a new request is refused with
+    503 (service_unavailable, code engine_dead), naming the cause."""
+    thread = engine_mode() == "thread"
+    cause = "injected failure" if thread else "killed by SIGKILL"
     with live_server() as s:
         _break_engine(s)
-        r = httpx.post(s.api_url + "/completions", json={"prompt": "x", "max_tokens": 2})
-        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
+        if thread:  # the request that runs into the failing step gets a 500 naming it
+            r = httpx.post(s.api_url + "/completions", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
+            assert cause in r.json()["error"]["message"]
         assert httpx.get(s.base_url + "/health").status_code == 503
         assert httpx.get(s.base_url + "/ping").status_code == 503
         assert httpx.post(s.base_url + "/ping").status_code == 503
-        r = httpx.post(s.api_url + "/completions", json={"prompt": "x", "max_tokens": 2})
-        assert r.status_code == 500
+        for stream in (False, True):
+            r = httpx.post(s.api_url + "/completions",
+                           json={"prompt": "x", "max_tokens": 2, "stream": stream})
+            error = r.json()["error"]
+            assert r.status_code == 503, r.text
+            assert (error["type"], error["code"]) == ("service_unavailable", "engine_dead")
+            assert cause in error["message"], error

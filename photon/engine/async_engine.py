@@ -4,14 +4,14 @@ Thread handoff:
 - callers (any asyncio loop) put commands (add / abort / call / stop) into a
   `queue.SimpleQueue`; the engine thread is the only one that touches the EngineCore (`call`
   runs a function there, between two steps);
-- outputs go back through `loop.call_soon_threadsafe` into the caller's `asyncio.Queue` (a
-  `RequestSink`; one sink may collect several requests, tagged, e.g. every prompt of one HTTP
-  request);
+- outputs go back into the caller's `RequestSink` (photon.engine.request_sink), which wakes
+  the caller's loop; one sink may collect several requests, tagged, e.g. every prompt of one
+  HTTP request, and merges a request's outputs the caller has not taken yet;
 - with no unfinished work the engine thread blocks on the command queue (no busy spin).
 
 Requests are added in delta mode: each output carries only new tokens/text. If `step()` raises,
 the thread records the error, fails every open stream with `EngineDeadError`, refuses new requests
-and exits; `healthy` turns false.
+(`EngineUnavailableError`) and exits; `healthy` turns false.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from photon.engine.engine_core import EngineCore, EngineStats
+from photon.engine.request_sink import RequestSink
 from photon.outputs import RequestOutput
 from photon.sampling_params import SamplingParams
 
@@ -33,7 +34,12 @@ T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread has stopped after an internal error; no request can run."""
+    """The engine has stopped (an internal error, its process died, or shutdown); no request can
+    run. A request that was running when it stopped fails with this error."""
+
+
+class EngineUnavailableError(EngineDeadError):
+    """A new request refused because the engine has stopped (the server answers 503)."""
 
 
 class EngineObserver(Protocol):
@@ -45,22 +51,6 @@ class EngineObserver(Protocol):
 
     def on_output(self, entry: TrackedRequest, output: RequestOutput, now: float) -> None:
         """For each output, before it is handed to the caller."""
-
-
-class RequestSink:
-    """Outputs of one or more requests, delivered onto the creating asyncio loop.
-
-    Items are `(tag, RequestOutput)` or `(tag, Exception)`."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[tuple[Any, RequestOutput | BaseException]] = asyncio.Queue()
-
-    def put_threadsafe(self, item: tuple[Any, RequestOutput | BaseException]) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            pass  # the caller's loop is closed: nobody is listening any more
 
 
 @dataclass
@@ -198,7 +188,7 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                _, item = await sink.queue.get()
+                _, item = await sink.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -209,7 +199,7 @@ class AsyncEngine:
 
     def _check_alive(self) -> None:
         if not self.healthy:
-            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+            raise EngineUnavailableError(stopped_message(self.error))
 
     # ---- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -262,7 +252,7 @@ class AsyncEngine:
 
     def _handle_add(self, cmd: _Add) -> None:
         if self._stop:
-            cmd.done(EngineDeadError("the engine is shutting down"))
+            cmd.done(EngineUnavailableError("the engine is shutting down"))
             return
         rid = cmd.entry.request_id
         try:
@@ -300,9 +290,17 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(cmd, _Add):
-                cmd.done(exc)
+                cmd.done(EngineUnavailableError(str(exc)))
             elif isinstance(cmd, _Call):
                 cmd.result.set_exception(exc)
+
+
+def stopped_message(error: BaseException | None) -> str:
+    """Why no new request can run, naming the cause when there is one."""
+    if error is None:
+        return "the engine has stopped"
+    text = str(error) if isinstance(error, EngineDeadError) else f"{type(error).__name__}: {error}"
+    return f"the engine has stopped: {text}"
 
 
 def _run_call(cmd: _Call) -> None:

@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import gc
 import itertools
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -24,15 +25,18 @@ from photon.config import EngineConfig
 from photon.engine.async_engine import (
     EngineDeadError,
     EngineObserver,
+    EngineUnavailableError,
     RequestSink,
     TrackedRequest,
     _Counters,
     _NullObserver,
+    stopped_message,
 )
 from photon.engine.core_client import CoreClient
 from photon.engine.messages import Abort, AddRequest, Utility, UtilityResult
 from photon.engine.output_processor import OutputProcessor
 from photon.engine.request_checks import RequestChecks
+from photon.engine.request_sink import hand_over
 from photon.outputs import RequestOutput
 from photon.reasoning import ReasoningParser, get_reasoning_parser
 from photon.sampling_params import SamplingParams
@@ -63,22 +67,16 @@ class Frontend:
         self.checks.check_fits(num_prompt, max_tokens)
 
 
-def hand_over(ready: list[tuple[RequestSink, tuple[Any, RequestOutput]]]) -> None:
-    """Put one step's outputs into their sinks with one wake-up per event loop, not one per
-    request (each cross-thread call writes to the loop's self-pipe)."""
-    by_loop: dict[Any, list[tuple[RequestSink, tuple[Any, RequestOutput]]]] = {}
-    for sink, item in ready:
-        by_loop.setdefault(sink.loop, []).append((sink, item))
-    for loop, items in by_loop.items():
+def exit_cause(code: int | None) -> str:
+    """What became of the engine-core process, from its exit status."""
+    if code is not None and code < 0:
         try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:
-            pass  # that loop is closed: nobody is listening any more
-
-
-def _put_all(items: list[tuple[RequestSink, tuple[Any, RequestOutput]]]) -> None:
-    for sink, item in items:
-        sink.queue.put_nowait(item)
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"the engine core process was killed by {name}"
+    return (f"the engine core process exited unexpectedly (exit code {code}; its error, if it "
+            f"raised one, is in the log above)")
 
 
 class AsyncLLM:
@@ -119,6 +117,15 @@ class AsyncLLM:
         self.frontend.structured.shutdown()
         self._fail_all(EngineDeadError("the engine is shutting down"))
 
+    def abort_all(self, reason: str) -> None:
+        """End every open request now (the server is stopping): the core aborts them, their
+        streams fail with `EngineUnavailableError(reason)`."""
+        with self._lock:
+            ids = list(self._live)
+        if ids and self.client.alive:
+            self.client.send(Abort(ids))
+        self._fail_all(EngineUnavailableError(reason))
+
     @property
     def healthy(self) -> bool:
         return self.error is None and not self._stop and self.client.alive
@@ -133,6 +140,7 @@ class AsyncLLM:
         arrival = arrival_time or time.monotonic()
         entry = TrackedRequest(request_id, sink, tag, arrival, len(prompt_ids))
         with self._lock:
+            self._check_alive()  # again, under the lock: the reader may have failed all since
             if request_id in self._live:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._live[request_id] = entry
@@ -152,7 +160,7 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                _, item = await sink.queue.get()
+                _, item = await sink.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -168,14 +176,19 @@ class AsyncLLM:
         self._check_alive()
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
+            self._check_alive()
             call_id = next(self._call_ids)
             self._calls[call_id] = fut
         self.client.send(Utility(call_id, method))
         return fut.result(timeout)
 
     def _check_alive(self) -> None:
-        if not self.healthy:
-            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+        if self.healthy:
+            return
+        cause = self.error
+        if cause is None and not self.client.alive:  # dead, and the reader has not seen it yet
+            cause = EngineDeadError(exit_cause(self.client.exitcode))
+        raise EngineUnavailableError(stopped_message(cause))
 
     # ---- the reader thread ----------------------------------------------------------------------
     def _read(self) -> None:
@@ -225,10 +238,12 @@ class AsyncLLM:
             fut.set_exception(RuntimeError(result.error))
 
     def _core_died(self) -> None:
-        code = self.client.exitcode
-        self.error = EngineDeadError(f"the engine core process exited (exit code {code})")
-        self.dead.set()
+        # Every request and call added before this point is failed below; later ones see
+        # `error` under the lock and are refused.
+        with self._lock:
+            self.error = EngineDeadError(exit_cause(self.client.exitcode))
         self._fail_all(self.error)
+        self.dead.set()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

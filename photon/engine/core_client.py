@@ -45,8 +45,10 @@ class CoreStartError(RuntimeError):
 
 def start_core(config: EngineConfig, clients: list[ClientAddresses]) -> subprocess.Popen:
     """Start an engine-core process that serves `clients` (each binds its own addresses)."""
+    # A session of its own: a terminal's Ctrl-C reaches the front end only, which stops the core
+    # in order (the core never outlives it: it watches its parent).
     proc = subprocess.Popen([sys.executable, "-m", "photon.engine.core_proc"],
-                            stdin=subprocess.PIPE)
+                            stdin=subprocess.PIPE, start_new_session=True)
     proc.stdin.write(pickle.dumps((config, clients)))
     proc.stdin.close()
     return proc

@@ -26,22 +26,22 @@ class ApiServerSpec:
 
 
 def main() -> int:
-    import uvicorn
-
     from photon.engine.async_llm import AsyncLLM
     from photon.engine.core_client import CoreClient
     from photon.server.app import build_app
+    from photon.server.launch import serve_engine
 
     spec: ApiServerSpec = pickle.load(sys.stdin.buffer)
     sys.stdin.close()
     client = CoreClient.attach(spec.addresses, spec.index, spec.core_pid)
+    # Its shutdown closes this server's sockets only: the core belongs to the launcher.
     engine = AsyncLLM(spec.config, client=client)
-    app = build_app(engine, spec.server, engine_metrics=spec.index == 0)
     try:
-        uvicorn.run(app, fd=spec.fd, log_level=spec.log_level, timeout_graceful_shutdown=5)
-    finally:
-        engine.shutdown()  # this server's sockets: the core belongs to the launcher
-    return 1 if engine.dead.is_set() else 0
+        app = build_app(engine, spec.server, engine_metrics=spec.index == 0)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return serve_engine(app, engine, fd=spec.fd, log_level=spec.log_level)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from photon import __version__
-from photon.engine.async_engine import AsyncEngine
+from photon.engine.async_engine import AsyncEngine, stopped_message
 from photon.server.chat import ChatHandler
 from photon.server.completions import CompletionHandler
 from photon.server.errors import bad_request, error_response, install_handlers
@@ -36,7 +36,7 @@ from photon.server.protocol import (
 )
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500)}
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
 # With "stream": true the 200 body is Server-Sent Events: each event's `data` is one JSON chunk
 # (or the final "[DONE]").
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
@@ -97,7 +97,7 @@ def _add_openai_routes(app: FastAPI, serving: Serving) -> None:
 def _add_utility_routes(app: FastAPI, serving: Serving, metrics: ServerMetrics) -> None:
     async def health() -> Any:
         if not serving.engine.healthy:
-            return error_response(503, f"the engine has stopped: {serving.engine.error!r}",
+            return error_response(503, stopped_message(serving.engine.error),
                                   code="engine_dead")
         return {"status": "ok"}
 

@@ -1,6 +1,7 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
 
-User mistakes are 4xx; only an internal failure (the engine thread died, or a bug) is a 500.
+User mistakes are 4xx; an internal failure (the engine stopped under a running request, or a bug)
+is a 500; a new request while the engine is stopped is a 503 (code `engine_dead`), as /health.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from photon.engine.async_engine import EngineDeadError
+from photon.engine.async_engine import EngineDeadError, EngineUnavailableError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -103,7 +104,8 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(500, str(exc), code="engine_dead")
+        status = 503 if isinstance(exc, EngineUnavailableError) else 500
+        return error_response(status, str(exc), code="engine_dead")
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 DEFAULT_MAX_BODY = 16 * 1024 * 1024
@@ -99,8 +104,8 @@ def with_model_tag(ns: argparse.Namespace) -> argparse.Namespace:
 
 
 def run_serve(ns: argparse.Namespace) -> int:
-    import uvicorn
-
+    """Serve until SIGTERM / Ctrl-C (then 0) or until the engine core dies (then 1, with one
+    line on stderr naming the cause, so a supervisor restarts the server)."""
     from photon.cli import engine_args_from, print_model_notices
     from photon.engine.async_llm import AsyncLLM
     from photon.server.app import build_app
@@ -117,9 +122,58 @@ def run_serve(ns: argparse.Namespace) -> int:
         return serve_many(config, scfg, ns.host, ns.port, ns.api_server_count, ns.log_level)
     engine = AsyncLLM(config)  # the engine core runs in a process of its own
     try:
-        uvicorn.run(build_app(engine, scfg), host=ns.host, port=ns.port,
-                    log_level=ns.log_level, timeout_graceful_shutdown=5)
+        app = build_app(engine, scfg)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return serve_engine(app, engine, host=ns.host, port=ns.port, log_level=ns.log_level)
+
+
+def serve_engine(app: Any, engine: Any, **uvicorn_args: Any) -> int:
+    """Run uvicorn on `app` until SIGTERM / Ctrl-C (then 0) or until the engine core dies (then
+    1, with one line on stderr naming the cause); the engine is shut down either way."""
+    try:
+        server = _server(app, engine, uvicorn_args)
+        watchdog = threading.Thread(target=_exit_when_dead, args=(engine.dead, server),
+                                    name="photon-watchdog", daemon=True)
+        watchdog.start()
+        server.run()
     finally:
         engine.shutdown()
+    if engine.dead.is_set():
+        print(f"photon serve: exiting: {engine.error}", file=sys.stderr)
+        return 1
     return 0
 
+
+def _server(app: Any, engine: Any, uvicorn_args: dict[str, Any]) -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, minus its re-raise of the signal that stopped it: that would end the
+        process before the engine core is shut down (photon exits with 0 instead). Shutting
+        down, it first ends the open requests (a stream gets an error event, then [DONE]), so
+        that no connection outlives the grace period and has its task cancelled."""
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            engine.abort_all("the server is shutting down")
+            await super().shutdown(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            handlers = {sig: signal.signal(sig, self.handle_exit)
+                        for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
+
+    return Server(uvicorn.Config(app, timeout_graceful_shutdown=5, **uvicorn_args))
+
+
+def _exit_when_dead(dead: threading.Event, server: Any) -> None:
+    """Stop the HTTP server once the engine core has died: its open streams have already
+    ended with an error, and a supervisor should start a new server."""
+    dead.wait()
+    server.should_exit = True

@@ -70,7 +70,7 @@ class Run:
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         while self.unfinished:
-            tag, item = await self.sink.queue.get()
+            tag, item = await self.sink.get()
             if isinstance(item, BaseException):
                 self.unfinished.clear()
                 self.ticket.release_all()

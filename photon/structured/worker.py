@@ -108,7 +108,9 @@ class ProcessExecutor:
                "--vocab-size", str(vocab_size), "--threads", str(threads),
                "--max-rows", str(max_rows), "--words", str(words),
                "--spin-us", str(int(1e6 * self.spin_s))]
-        self.proc = subprocess.Popen(cmd, pass_fds=fds)
+        # A session of its own: a terminal's Ctrl-C must not interrupt it while it imports (it
+        # ignores SIGINT only from then on); it ends when the engine closes its socket.
+        self.proc = subprocess.Popen(cmd, pass_fds=fds, start_new_session=True)
         theirs.close()
         init.close()
         # An engine that is dropped without shutdown() still ends its worker (and unregisters
