@@ -40,7 +40,7 @@ async def _process_run(engine: AsyncLLM, prompts: list[list[int]], params: Sampl
         await engine.add_request(p, params, f"r{time.monotonic_ns()}-{i}", sink, tag=i)
     done, tokens = 0, 0
     while done < len(prompts):
-        _, out = await sink.queue.get()
+        _, out = await sink.get()
         tokens += sum(len(c.token_ids) for c in out.outputs)
         done += out.finished
     return tokens
