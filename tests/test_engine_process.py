@@ -107,10 +107,11 @@ def test_n_sequences(pair: tuple[AsyncEngine, AsyncLLM], n: int) -> None:
         assert len({tuple(s.token_ids) for s in r.sequences.values()}) > 1
 
 
-def _stop_words(pair: tuple[AsyncEngine, AsyncLLM], prompt: list[int]) -> tuple[str, str, int]:
+def _stop_words(pair: tuple[AsyncEngine, AsyncLLM], prompt: list[int]
+                ) -> tuple[str, str, int, int]:
     """From the greedy output of `prompt`: a stop string that is one token's text, one that
     spans two tokens (each first found where that token ends, from the fourth output token on),
-    and the output position of the first."""
+    the output position of the first and its token."""
     tok = pair[1].frontend.tokenizer
     out = run_cases(pair[0], [Case("probe", prompt, _greedy(40))])["probe"].seq()
     texts = [tok.decode([t]) for t in out.token_ids]
@@ -123,12 +124,12 @@ def _stop_words(pair: tuple[AsyncEngine, AsyncLLM], prompt: list[int]) -> tuple[
 
     single = next((k, w) for k in range(3, 30) if (w := clean(k, 1)))
     multi = next(w for k in range(3, 30) if (w := clean(k, 2)) and w != single[1])
-    return single[1], multi, single[0]
+    return single[1], multi, single[0], out.token_ids[single[0]]
 
 
 def test_stop_strings(pair: tuple[AsyncEngine, AsyncLLM]) -> None:
     prompt = _ids(pair, PROMPTS[1])
-    single, multi, pos = _stop_words(pair, prompt)
+    single, multi, pos, token = _stop_words(pair, prompt)
     params = {
         "single": _greedy(40, stop=[single]),
         "multi": _greedy(40, stop=[multi]),
@@ -137,14 +138,19 @@ def test_stop_strings(pair: tuple[AsyncEngine, AsyncLLM]) -> None:
         "min-tokens": _greedy(40, stop=[single], min_tokens=pos + 3),
         "n2": _sampled(5, n=2, temperature=0.3, max_tokens=40, stop=[single, multi]),
         "no-text": _greedy(40, stop=[single], detokenize=False),
+        "id-first": _greedy(40, stop=[single], stop_token_ids=[token]),  # the id wins
+        "at-length": _greedy(pos + 1, stop=[single]),  # the string wins over the length
     }
     cases = [Case(f"stop-{k}", prompt, p) for k, p in params.items()]
     results = _check_same(pair, cases)
     assert results["stop-single"].seq().stop_reason == single
     assert results["stop-multi"].seq().stop_reason == multi
     assert results["stop-include"].seq().text.endswith(multi)
-    assert results["stop-min-tokens"].seq().stop_reason != single or \
-        len(results["stop-min-tokens"].seq().token_ids) >= pos + 3
+    assert results["stop-id-first"].seq().stop_reason == token
+    assert results["stop-at-length"].seq().finish_reason == "stop"
+    # A stop string before min_tokens neither ends nor truncates the output.
+    early = results["stop-min-tokens"].seq()
+    assert single in early.text and len(early.token_ids) >= pos + 3
 
 
 def test_stop_token_ids_and_eos(pair: tuple[AsyncEngine, AsyncLLM]) -> None:
