@@ -284,3 +284,19 @@ def test_check_drained_fails_while_work_is_pending(pair: tuple[AsyncEngine, Asyn
     assert results[0].seq().finish_reason == "length"
     for engine in pair:
         wait_drained(engine)
+
+
+def test_request_id_reused_after_a_stop_string(pair: tuple[AsyncEngine, AsyncLLM]) -> None:
+    """A request id is free again once its request's last output arrived, also when a stop
+    string ended it while its last steps are still in flight: the next request with that id
+    gets the tokens a fresh id gets, from either engine."""
+    prompt = _ids(pair, PROMPTS[1])
+    single, _, _, _ = _stop_words(pair, prompt)
+    params = [_greedy(40, stop=[single]), _greedy(10)] * 3
+    fresh = [run_cases(pair[0], [Case(f"fresh-{i}", prompt, p)])[f"fresh-{i}"]
+             for i, p in enumerate(params)]
+    for engine in pair:
+        reused = [run_cases(engine, [Case("reused", prompt, p)])["reused"] for p in params]
+        found = [differences(w, g) for w, g in zip(fresh, reused)]
+        assert not any(found), f"{type(engine).__name__}: {found}"
+        wait_drained(engine)
