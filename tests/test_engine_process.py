@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -39,11 +40,15 @@ SCHEMA = {"type": "object", "properties": {
     "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"]}
 
 
-@pytest.fixture(scope="module")
-def pair() -> Iterator[tuple[AsyncEngine, AsyncLLM]]:
+@contextmanager
+def _engines() -> Iterator[tuple[AsyncEngine, AsyncLLM]]:
     config = EngineArgs(**TINY_ARGS).create_config()
     local = AsyncEngine(EngineCore(config))
-    remote = AsyncLLM(config)
+    try:
+        remote = AsyncLLM(config)
+    except BaseException:
+        local.shutdown()
+        raise
     local.start()
     remote.start()
     try:
@@ -51,6 +56,12 @@ def pair() -> Iterator[tuple[AsyncEngine, AsyncLLM]]:
     finally:
         remote.shutdown()
         local.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[AsyncEngine, AsyncLLM]]:
+    with _engines() as engines:
+        yield engines
 
 
 def _ids(pair: tuple[AsyncEngine, AsyncLLM], text: str) -> list[int]:
@@ -286,17 +297,19 @@ def test_check_drained_fails_while_work_is_pending(pair: tuple[AsyncEngine, Asyn
         wait_drained(engine)
 
 
-def test_request_id_reused_after_a_stop_string(pair: tuple[AsyncEngine, AsyncLLM]) -> None:
+def test_request_id_reused_after_a_stop_string() -> None:
     """A request id is free again once its request's last output arrived, also when a stop
     string ended it while its last steps are still in flight: the next request with that id
-    gets the tokens a fresh id gets, from either engine."""
-    prompt = _ids(pair, PROMPTS[1])
-    single, _, _, _ = _stop_words(pair, prompt)
-    params = [_greedy(40, stop=[single]), _greedy(10)] * 3
-    fresh = [run_cases(pair[0], [Case(f"fresh-{i}", prompt, p)])[f"fresh-{i}"]
-             for i, p in enumerate(params)]
-    for engine in pair:
-        reused = [run_cases(engine, [Case("reused", prompt, p)])["reused"] for p in params]
-        found = [differences(w, g) for w, g in zip(fresh, reused)]
-        assert not any(found), f"{type(engine).__name__}: {found}"
-        wait_drained(engine)
+    gets the tokens a fresh id gets, from either engine. (Engines of its own: a mix-up must not
+    spill into the other tests.)"""
+    with _engines() as pair:
+        prompt = _ids(pair, PROMPTS[1])
+        single, _, _, _ = _stop_words(pair, prompt)
+        params = [_greedy(40, stop=[single]), _greedy(10)] * 3
+        fresh = [run_cases(pair[0], [Case(f"fresh-{i}", prompt, p)])[f"fresh-{i}"]
+                 for i, p in enumerate(params)]
+        for engine in pair:
+            reused = [run_cases(engine, [Case("reused", prompt, p)])["reused"] for p in params]
+            found = [differences(w, g) for w, g in zip(fresh, reused)]
+            assert not any(found), f"{type(engine).__name__}: {found}"
+            wait_drained(engine)
