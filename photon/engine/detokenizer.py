@@ -47,8 +47,12 @@ class IncrementalDetokenizer:
         self._catch_up()
         return self._text + self._held
 
-    def update(self, token_id: int) -> str | None:
+    def update(self, token_id: int, check_stop: bool = True) -> str | None:
         """Append one output token; return the stop string it completed, else None.
+
+        `check_stop=False` (the request has fewer than `min_tokens` outputs): stop strings are
+        not looked for in this token's text, and a stop string there neither ends nor truncates
+        the output (as vLLM, which checks them only from `min_tokens` on).
 
         Without stop strings nothing needs the text at commit time, so decoding is deferred to
         the next read of the text (one decode for all pending tokens, off the per-step path)."""
@@ -58,20 +62,20 @@ class IncrementalDetokenizer:
         if not self._stops:
             self._lazy += 1
             return None
-        return self._add_decoded()
+        return self._add_decoded(check_stop)
 
     def _catch_up(self) -> None:
         if self._lazy:
             self._lazy = 0
             self._add_decoded()
 
-    def _add_decoded(self) -> str | None:
+    def _add_decoded(self, check_stop: bool = True) -> str | None:
         new_text = self._decode_new()
         if not new_text:
             return None
         start = len(self._text)
         self._text += new_text
-        return self._check_stop(start, len(new_text))
+        return self._check_stop(start, len(new_text)) if check_stop else None
 
     def _decode_new(self) -> str:
         """Decode the window; return newly confirmed text (possibly ""), updating `_held`."""

@@ -90,8 +90,9 @@ class OutputProcessor:
         for tok in child.token_ids:
             tokens.append(tok)
             seq.num_tokens += 1
-            stop = seq.detokenizer.update(tok) if seq.detokenizer is not None else None
-            if stop is not None and seq.num_tokens >= req.params.min_tokens:
+            check = seq.num_tokens >= req.params.min_tokens
+            stop = seq.detokenizer.update(tok, check) if seq.detokenizer is not None else None
+            if stop is not None:
                 if finish in (None, "length"):  # EOS and stop ids are checked first in-process
                     finish, stop_reason = "stop", stop
                 break

@@ -276,7 +276,8 @@ class Scheduler:
                                               (tok.top_ids or ())[:want],
                                               (tok.top_logprobs or ())[:want],
                                               self._text_for(req)))
-        stop_str = req.detokenizer.update(tok.token_id) if req.detokenizer else None
+        check = len(req.output_token_ids) >= req.params.min_tokens  # stop strings count from it
+        stop_str = req.detokenizer.update(tok.token_id, check) if req.detokenizer else None
         reason = FinishReason.STOP if grammar_ended else self._check_stop(req, tok.token_id,
                                                                            stop_str)
         if reason is not None:

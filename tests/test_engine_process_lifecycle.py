@@ -1,0 +1,133 @@
+"""The engine-core process's life: a start-up error reaches the front end with the core's message,
+shutdown leaves no process behind, and a core whose front end was killed exits by itself."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from photon.config import EngineArgs
+from photon.engine.async_llm import AsyncLLM
+from photon.engine.core_client import CoreStartError
+from photon.engine.engine_core import EngineCore
+from tests.server_util import TINY_ARGS
+
+EXIT_WAIT_S = 30.0  # bound on waiting for a process to go
+START_WAIT_S = 120.0  # bound on a front end's start (model build in the core included)
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter from /proc (None: no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def _gone(pid: int) -> bool:
+    return _state(pid) in (None, "Z", "X")  # a zombie runs nothing: only its exit status is left
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (from /proc: each process's parent id)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _wait_gone(pids: list[int]) -> list[int]:
+    """Poll (bounded) until every pid is gone; those still alive at the bound."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if not _gone(p)]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if not _gone(p)]
+
+
+def test_start_error_carries_the_cores_message() -> None:
+    """A KV cache too small for max_model_len: AsyncLLM raises what EngineCore raises in
+    process, type name and message, and no core process is left."""
+    config = EngineArgs(**{**TINY_ARGS, "num_gpu_blocks_override": 2}).create_config()
+    with pytest.raises(Exception) as in_process:
+        EngineCore(config)
+    before = set(_descendants(os.getpid()))
+    with pytest.raises(CoreStartError) as remote:
+        AsyncLLM(config)
+    assert str(remote.value) == f"{type(in_process.value).__name__}: {in_process.value}"
+    assert "num_gpu_blocks_override" in str(remote.value)
+    assert _wait_gone(sorted(set(_descendants(os.getpid())) - before)) == []
+
+
+def test_shutdown_leaves_no_process() -> None:
+    engine = AsyncLLM(EngineArgs(**TINY_ARGS).create_config())
+    engine.start()
+    core = engine.client.proc
+    assert engine.client.ready.pid == core.pid
+    tree = [core.pid, *_descendants(core.pid)]
+    engine.shutdown()
+    assert core.returncode is not None
+    assert not engine.healthy
+    assert _wait_gone(tree) == []
+
+
+_FRONT_END = textwrap.dedent("""
+    import sys
+    from photon.config import EngineArgs
+    from photon.engine.async_llm import AsyncLLM
+    engine = AsyncLLM(EngineArgs(max_model_len=256, max_num_seqs=4, seed=0).create_config())
+    engine.start()
+    print(engine.client.proc.pid, flush=True)
+    sys.stdin.read()  # until the test kills this process
+""")
+
+
+def test_core_exits_when_its_front_end_is_killed() -> None:
+    """The core notices its parent is gone (it polls while idle) and exits: no orphan engine."""
+    front = subprocess.Popen([sys.executable, "-c", _FRONT_END], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    tree: list[int] = []
+    try:
+        ready, _, _ = select.select([front.stdout], [], [], START_WAIT_S)
+        line = front.stdout.readline() if ready else ""
+        assert line.strip().isdigit(), f"the front end printed {line!r}"
+        tree = [int(line), *_descendants(int(line))]
+        assert not _gone(tree[0])
+        front.send_signal(signal.SIGKILL)
+        front.wait(EXIT_WAIT_S)
+        assert _wait_gone(tree) == []
+    finally:
+        _reap(front, tree)
+
+
+def _reap(front: subprocess.Popen, tree: list[int]) -> None:
+    """Whatever the test left running (only on failure): the front end, then the core's tree."""
+    if front.poll() is None:
+        front.kill()
+        front.wait(EXIT_WAIT_S)
+    for pid in tree:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+    front.stdin.close()
+    front.stdout.close()
