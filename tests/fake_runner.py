@@ -172,6 +172,7 @@ class Harness:
         grammar = GrammarStep(SimpleNamespace(in_flight=False), max_num_seqs)  # no grammar row
         self.pipeline = Pipeline(self.sched, self.runner, grammar, depth)
         self.requests: dict[str, Request] = {}
+        self.by_key: dict[int, Request] = {}  # the scheduler's key of each request
         self.zombie_rows: dict[str, int] = {}
         self.num_calls = 0
         self._wrap()
@@ -189,11 +190,11 @@ class Harness:
             log.append(("commit", step.plan.step))
             return touched
 
-        def logged_free(request_id: str) -> None:
-            req = self.requests[request_id]
-            assert req.inflight_refs == 0, f"{request_id} freed with a step in flight"
-            log.append(("free", request_id))
-            free(request_id)
+        def logged_free(key: int) -> None:
+            req = self.by_key[key]
+            assert req.inflight_refs == 0, f"{req.request_id} freed with a step in flight"
+            log.append(("free", req.request_id))
+            free(key)
 
         def logged_preempt(req: Request) -> None:
             running = [r.request_id for r in sched.running]
@@ -205,6 +206,7 @@ class Harness:
     def add(self, req: Request) -> Request:
         self.requests[req.request_id] = req
         self.sched.add(req)
+        self.by_key[req.key] = req
         return req
 
     @property
@@ -240,7 +242,7 @@ class Harness:
             for req in arrivals.get(k, []):
                 self.add(req)
             for rid in aborts.get(k, []):
-                self.sched.abort(rid)
+                self.sched.abort(self.requests[rid])
             if k > last and not self.busy:
                 break
             self.step()

@@ -282,7 +282,7 @@ async def _paused_add(engine: Engine, case: Case) -> Result:
         engine.call_utility("resume")
     result = Result()
     while not result.finished:
-        _, out = await sink.queue.get()
+        _, out = await sink.get()
         assert not isinstance(out, BaseException)
         result.add(out)
     return result

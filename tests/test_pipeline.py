@@ -31,6 +31,7 @@ class Audit:
 
     core: EngineCore
     requests: dict[str, Request] = field(default_factory=dict)
+    by_key: dict[int, Request] = field(default_factory=dict)  # the scheduler's key of each
     final_len: dict[str, int] = field(default_factory=dict)
     zombie_rows: int = 0
     releases: int = 0
@@ -51,6 +52,7 @@ class Audit:
         def add(req: Request) -> None:
             self.requests[req.request_id] = req
             orig_add(req)
+            self.by_key[req.key] = req
 
         def commit(step: SchedulerOutput, tokens: list[CommittedToken | None],
                    ended: frozenset[int] = frozenset()) -> list[Request]:
@@ -63,11 +65,11 @@ class Audit:
                     assert len(req.output_token_ids) == n, "a token was appended after finish"
             return touched
 
-        def free(request_id: str) -> None:
-            req = self.requests[request_id]
+        def free(key: int) -> None:
+            req = self.by_key[key]
             assert req.inflight_refs == 0, "KV blocks released while a step still reads them"
             self.releases += 1
-            orig_free(request_id)
+            orig_free(key)
 
         sched.add, sched.commit, kv.free, sched.plan = add, commit, free, plan
 

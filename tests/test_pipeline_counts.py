@@ -67,7 +67,7 @@ def _engine(pipelined: bool, budget: int = 64) -> EngineCore:
 def _start(core: EngineCore, prompt_len: int, max_tokens: int) -> CountLog:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     core.add_request(list(range(3, 3 + prompt_len)), params, request_id="a")
-    log = CountLog(core.scheduler.requests["a"])
+    log = CountLog(core.parents["a"][0])
     log.install(core)
     return log
 

@@ -169,7 +169,7 @@ def test_request_aborted_between_calls_runs_two_zombie_rows(depth: int, alone: b
         h.step()
     assert (a.inflight_refs, a.num_pending) == (2, 2)
     index, outputs = a.req_index, list(a.output_token_ids)
-    h.sched.abort("a")
+    h.sched.abort(a)
     assert a.finished and a.req_index == index and index in h.runner.table
     h.step()
     assert (a.inflight_refs, a.req_index) == (1, index) and index in h.runner.table

@@ -90,7 +90,12 @@ class AsyncLLM:
         self.counters = _Counters()
         self.dead = threading.Event()  # set when the core process died
         self._processor = OutputProcessor(self.frontend.tokenizer)
+        # By the core's id of each request: the caller's id plus a sequence number, so that a
+        # caller may reuse an id as soon as its request finished here, even while the core
+        # still runs the old request's last step.
         self._live: dict[str, TrackedRequest] = {}
+        self._core_ids: dict[str, str] = {}  # caller's id -> core's id, while live
+        self._seq = itertools.count()
         self._lock = threading.Lock()  # _live and the processor: callers' threads vs the reader
         self._stop = False
         self._calls: dict[int, concurrent.futures.Future[Any]] = {}  # utility calls in flight
@@ -141,16 +146,19 @@ class AsyncLLM:
         entry = TrackedRequest(request_id, sink, tag, arrival, len(prompt_ids))
         with self._lock:
             self._check_alive()  # again, under the lock: the reader may have failed all since
-            if request_id in self._live:
+            if request_id in self._core_ids:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._live[request_id] = entry
-            self._processor.add(request_id, prompt_ids, params, arrival)
-        self.client.send(AddRequest(request_id, prompt_ids, params, arrival))
+            core_id = f"{request_id}#{next(self._seq)}"
+            self._core_ids[request_id] = core_id
+            self._live[core_id] = entry
+            self._processor.add(core_id, request_id, prompt_ids, params, arrival)
+        self.client.send(AddRequest(core_id, prompt_ids, params, arrival))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; unknown or finished ids are ignored)."""
-        if self.client.alive:
-            self.client.send(Abort([request_id]))
+        core_id = self._core_ids.get(request_id)
+        if core_id is not None and self.client.alive:
+            self.client.send(Abort([core_id]))
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -219,6 +227,7 @@ class AsyncLLM:
             out, stopped = self._processor.process(delta)
             if out is not None and out.finished:
                 del self._live[delta.request_id]
+                self._core_ids.pop(entry.request_id, None)
         if stopped:
             self.client.send(Abort(stopped))
         if out is not None:
@@ -247,10 +256,12 @@ class AsyncLLM:
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
-            live, self._live = list(self._live.values()), {}
+            live, self._live = list(self._live.items()), {}
+            self._core_ids = {}
             calls, self._calls = list(self._calls.values()), {}
-            for entry in live:
-                self._processor.remove(entry.request_id)
+            for core_id, _ in live:
+                self._processor.remove(core_id)
+        live = [entry for _, entry in live]
         for entry in live:
             entry.sink.put_threadsafe((entry.tag, exc))
         for fut in calls:

@@ -162,14 +162,15 @@ class EngineCore:
         id (`{request_id}-{index}`); unknown or finished ids are ignored."""
         children = self.parents.get(request_id)
         if children is None:
-            req = self.scheduler.requests.get(request_id)
-            if req is None or req.parent_id == request_id:
+            parent, _, index = request_id.rpartition("-")
+            siblings = self.parents.get(parent, [])
+            i = int(index) if index.isdigit() else len(siblings)
+            if i >= len(siblings) or siblings[i].request_id != request_id:
                 return
-            children = [req]
+            children = [siblings[i]]
         for req in children:
-            self.scheduler.abort(req.request_id)
-        if children:
-            self._aborted.append(children[0].parent_id)
+            self.scheduler.abort(req)
+        self._aborted.append(children[0].parent_id)
 
     def _fail_request(self, req_index: int, error: str) -> None:
         """The runner could not stage the request at `req_index`: it ends (ABORT, with

@@ -16,7 +16,7 @@ handed out, cached, or counted as free or used.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 NULL_BLOCK = 0
@@ -71,8 +71,8 @@ class KVCacheManager:
         self._hash_to_block: dict[int, int] = {}
         self._cached: dict[int, _CachedBlock] = {}  # block id -> its prefix-cache entry
         self._num_cached_free = 0  # blocks with ref == 0 that are in _cached
-        self._req_blocks: dict[str, list[int]] = {}
-        self._req_publish: dict[str, _PublishState] = {}
+        self._req_blocks: dict[Hashable, list[int]] = {}
+        self._req_publish: dict[Hashable, _PublishState] = {}
 
     # ------------------------------------------------------------------ observability
     @property
@@ -97,16 +97,16 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_ids(self, request_id: str) -> list[int]:
+    def block_ids(self, request_id: Hashable) -> list[int]:
         """A copy of the request's block table (empty for an unknown id)."""
         return list(self._req_blocks.get(request_id, ()))
 
-    def block_table(self, request_id: str) -> list[int]:
+    def block_table(self, request_id: Hashable) -> list[int]:
         """The request's live block list, without a copy: read it, never mutate it. Valid until
         the next allocate/free of that request (the hot loop reads it right after planning)."""
         return self._req_blocks[request_id]
 
-    def needs_publish(self, request_id: str, num_tokens: int) -> bool:
+    def needs_publish(self, request_id: Hashable, num_tokens: int) -> bool:
         """Cheap check whether cache_blocks(request_id, ..., num_tokens) would publish a block."""
         state = self._req_publish.get(request_id)
         return (self.enable_prefix_caching and state is not None and not state.stopped
@@ -140,7 +140,7 @@ class KVCacheManager:
         return PrefixMatch(block_ids=blocks, num_tokens=num_tokens)
 
     # ------------------------------------------------------------------ allocation
-    def allocate(self, request_id: str, num_tokens: int, prefix: PrefixMatch | None = None) -> bool:
+    def allocate(self, request_id: Hashable, num_tokens: int, prefix: PrefixMatch | None = None) -> bool:
         """Grow the request to ceil(num_tokens / block_size) blocks. All or nothing."""
         held = self._req_blocks.get(request_id)
         if prefix is None and held is not None and num_tokens <= len(held) * self.block_size:
@@ -162,7 +162,7 @@ class KVCacheManager:
         return True
 
     def _validate_prefix(
-        self, request_id: str, held: list[int] | None, num_tokens: int, blocks: list[int]
+        self, request_id: Hashable, held: list[int] | None, num_tokens: int, blocks: list[int]
     ) -> None:
         if held is not None:
             raise ValueError(f"prefix passed for request {request_id!r} that already has blocks")
@@ -199,7 +199,7 @@ class KVCacheManager:
             self._num_cached_free -= 1
 
     # ------------------------------------------------------------------ publishing
-    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+    def cache_blocks(self, request_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> None:
         """Publish every full block within the request's first `num_tokens` tokens."""
         if not self.enable_prefix_caching:
             return
@@ -234,7 +234,7 @@ class KVCacheManager:
         return entry.tokens == tokens and entry.parent_hash == parent
 
     # ------------------------------------------------------------------ release
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: Hashable) -> None:
         """Drop the request's references. Unknown id: no-op."""
         blocks = self._req_blocks.pop(request_id, None)
         self._req_publish.pop(request_id, None)

@@ -30,6 +30,7 @@ class _Sequence:
 
 @dataclass
 class _Request:
+    user_id: str  # the caller's request id (the core knows the request by another)
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
@@ -42,12 +43,13 @@ class OutputProcessor:
         self.texts = TokenTexts(tokenizer)
         self.requests: dict[str, _Request] = {}
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+    def add(self, request_id: str, user_id: str, prompt_ids: list[int], params: SamplingParams,
             arrival_time: float) -> None:
+        """`request_id`: the core's id of the request; its outputs carry `user_id`."""
         text = params.detokenize or bool(params.stop)
         seqs = [_Sequence(IncrementalDetokenizer(self.tokenizer, prompt_ids, params) if text
                           else None) for _ in range(params.n)]
-        self.requests[request_id] = _Request(prompt_ids, params, arrival_time, seqs)
+        self.requests[request_id] = _Request(user_id, prompt_ids, params, arrival_time, seqs)
 
     def remove(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -74,7 +76,7 @@ class OutputProcessor:
             outs = [CompletionOutput(i, "", [], finish_reason="abort") for i in
                     range(req.params.n)]
         prompt_lps = _with_texts(delta.prompt_logprobs, self._texts(req))
-        return RequestOutput(delta.request_id, None, req.prompt_token_ids, outs, finished,
+        return RequestOutput(req.user_id, None, req.prompt_token_ids, outs, finished,
                              RequestMetrics(req.arrival_time, delta.first_scheduled_time),
                              prompt_lps, delta.num_cached_tokens, delta.error), stopped
 

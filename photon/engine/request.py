@@ -54,6 +54,9 @@ class Request:
     parent_id: str | None = None  # set for the children of an n > 1 request
     index: int = 0  # which of the parent's n samples this is
 
+    # Unique per engine, given by Scheduler.add: the scheduler's and the KV manager's handle of
+    # this request (a caller may reuse a request id while the old request's last step runs).
+    key: int = -1
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -53,12 +53,15 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.grammar_waiting: list[Request] = []  # grammar still compiling: not admissible yet
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}  # every request not yet released
+        self.requests: dict[int, Request] = {}  # every request not yet released, by key
+        self._next_key = 0
         self.num_preemptions = 0
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        self.requests[request.request_id] = request
+        request.key = self._next_key
+        self._next_key += 1
+        self.requests[request.key] = request
         if request.grammar is not None:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.grammar_waiting.append(request)
@@ -83,12 +86,9 @@ class Scheduler:
                 self.waiting.append(req)
         return failed
 
-    def abort(self, request_id: str) -> Request | None:
-        req = self.requests.get(request_id)
-        if req is None or req.finished:
-            return None
-        self.finish(req, FinishReason.ABORT)
-        return req
+    def abort(self, req: Request) -> None:
+        if not req.finished:
+            self.finish(req, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.grammar_waiting)
@@ -148,7 +148,7 @@ class Scheduler:
         """KV blocks for the row, preempting lower-priority requests if needed. Without a later
         request to preempt, `req` waits for blocks a victim still returns (its in-flight step
         commits) rather than preempting itself."""
-        while not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):
+        while not self.kv.allocate(req.key, req.num_computed_tokens + num_new):
             victim = self._pick_victim(req)
             if victim is req and self._blocks_in_transit():
                 return False
@@ -182,7 +182,7 @@ class Scheduler:
             prefix = (self.kv.match_prefix(req.all_token_ids) if req.prompt_logprobs_done
                       else PrefixMatch())
             num_new = min(req.num_known_tokens - prefix.num_tokens, budget)
-            if not self.kv.allocate(req.request_id, prefix.num_tokens + num_new, prefix):
+            if not self.kv.allocate(req.key, prefix.num_tokens + num_new, prefix):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -211,7 +211,7 @@ class Scheduler:
         sample = start + num_new == req.num_known_tokens
         out.plan.rows.append(ScheduledRow(req.req_index, start, num_new, sample,
                                           req.num_planned_outputs,
-                                          self.kv.block_table(req.request_id)))
+                                          self.kv.block_table(req.key)))
         out.requests.append(req)
         out.plan.num_tokens += num_new
         req.num_computed_tokens += num_new
@@ -244,8 +244,8 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 known = min(req.num_computed_tokens,
                             len(req.prompt_token_ids) + len(req.output_token_ids))
-                if self.kv.needs_publish(req.request_id, known):
-                    self.kv.cache_blocks(req.request_id, req.all_token_ids, known)
+                if self.kv.needs_publish(req.key, known):
+                    self.kv.cache_blocks(req.key, req.all_token_ids, known)
             elif req.inflight_refs == 0:
                 self._maybe_release(req)  # only preempted or finished requests release
         return touched
@@ -345,12 +345,12 @@ class Scheduler:
         if req.status not in (RequestStatus.PREEMPTED, RequestStatus.FINISHED):
             return
         if req.req_index is not None:
-            self.kv.free(req.request_id)
+            self.kv.free(req.key)
             self.by_index[req.req_index] = None
             self.free_indices.append(req.req_index)
             self._released.append(req.req_index)
             req.req_index = None
         if req.finished:
-            self.requests.pop(req.request_id, None)
+            self.requests.pop(req.key, None)
             if req.grammar is not None:
                 req.grammar.release()
