@@ -18,6 +18,7 @@ from photon.structured.params import GrammarLimits
 
 if TYPE_CHECKING:
     from photon.generation_config import GenerationDefaults
+    from photon.spec.config import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -130,6 +131,7 @@ class EngineConfig:
     attention_backend: str  # resolved: never "auto"
     structured_outputs: StructuredOutputsConfig
     reasoning_parser: str | None = None
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @property
     def pipeline_depth(self) -> int:
@@ -225,8 +227,24 @@ class EngineArgs:
         "reasoning_content, the rest as content, and structured outputs constrain only the "
         "text after the reasoning. Default: none (all output is content).",
         tuple(reasoning_parser_names())))
+    speculative_config: str | dict[str, Any] | SpeculativeConfig | None = field(
+        default=None, metadata=_help(
+            "Speculative decoding, as a JSON object (a dict in Python): "
+            "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' proposes from the "
+            "request's own tokens (prompt_lookup_min/prompt_lookup_max: the n-gram lengths "
+            "searched, default 5); '{\"method\": \"draft_model\", \"model\": DIR, "
+            "\"num_speculative_tokens\": 3}' from a small draft model sharing the tokenizer. "
+            "num_speculative_tokens: 1 to 16. Default: off."))
 
     def create_config(self) -> EngineConfig:
+        """The checked, frozen configuration (ConfigError naming the argument at fault)."""
+        from photon.spec import check_supported
+
+        config = self._build_config()
+        check_supported(config)
+        return config
+
+    def _build_config(self) -> EngineConfig:
         from photon.generation_config import load_generation_defaults
         from photon.model.hf_config import architecture, check_required_fields, load_hf_config
         from photon.model.tiny import resolve_model_path
@@ -271,6 +289,7 @@ class EngineArgs:
             attention_backend=_attention_backend(self.attention_backend, device),
             structured_outputs=self.structured_outputs_config(),
             reasoning_parser=_reasoning_parser(self.reasoning_parser),
+            speculative_config=_speculative_config(self.speculative_config),
         )
 
     def structured_outputs_config(self) -> StructuredOutputsConfig:
@@ -332,6 +351,12 @@ def _reasoning_parser(name: str | None) -> str | None:
         return get_reasoning_parser(name).name
     except ValueError as e:
         raise ConfigError(f"reasoning_parser: {e}") from None
+
+
+def _speculative_config(value: object) -> SpeculativeConfig | None:
+    from photon.spec.config import parse_speculative_config
+
+    return parse_speculative_config(value)
 
 
 def _attention_backend(name: str, device: str) -> str:

@@ -50,6 +50,11 @@ MUL_B = 0x735A2D97
 ROW_SALT = 0x5BD1E995  # separates the key's high word from the low word
 CTR_SALT = 0x1B873593  # separates the counter from the key
 VOCAB_SALT = 0x68E31DA4  # separates token ids from row seeds
+# Speculative decoding's extra streams (photon.spec.rejection): a key whose high word is XORed
+# with one of these draws the accept test's uniforms / the token after a rejection, independent of
+# the stream the ordinary token draw uses. Each is < 2**31, so `salt << 32` is a positive int64.
+ACCEPT_SALT = 0x2C1B3C6D
+RESIDUAL_SALT = 0x297A2D39
 
 
 def _splitmix64(x: int) -> int:

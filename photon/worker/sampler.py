@@ -203,16 +203,25 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
     return logits.masked_fill(logits < cutoff, float("-inf"))
 
 
-def _sample_random(logits: Tensor, batch: SamplingBatch, greedy: Tensor) -> Tensor:
-    """Temperature, min_p, top_k, top_p, then Gumbel-max. Returns [R] int64."""
-    temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+def scale_and_filter(logits: Tensor, temperature: Tensor, min_p: Tensor | None,
+                     top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+    """logits / temperature (greedy rows: / 1), then min_p, top_k, top_p (None: off for every
+    row): the scores a random row's token is drawn from, filtered tokens at -inf. Out of place."""
+    greedy = temperature < GREEDY_EPS
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     logits = logits / temp[:, None]
-    if batch.any_min_p:
-        logits = apply_min_p(logits, batch.min_p)
-    if batch.any_top_k or batch.any_top_p:
-        top_k = batch.top_k if batch.any_top_k else None
-        top_p = batch.top_p if batch.any_top_p else None
+    if min_p is not None:
+        logits = apply_min_p(logits, min_p)
+    if top_k is not None or top_p is not None:
         logits = apply_top_k_top_p(logits, top_k, top_p)
+    return logits
+
+
+def _sample_random(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Temperature, min_p, top_k, top_p, then Gumbel-max. Returns [R] int64."""
+    logits = scale_and_filter(logits, batch.temperature, batch.min_p if batch.any_min_p else None,
+                              batch.top_k if batch.any_top_k else None,
+                              batch.top_p if batch.any_top_p else None)
     noise = gumbel_noise(batch.keys, batch.counters, logits.shape[1])
     return (logits + noise).argmax(dim=-1)
 
@@ -267,7 +276,7 @@ def _draw(logits: Tensor, batch: SamplingBatch, fused: bool, owned: bool) -> Ten
     if fused:
         return _sample_fused(logits, batch)
     greedy = batch.temperature < GREEDY_EPS
-    return torch.where(greedy, logits.argmax(dim=-1), _sample_random(logits, batch, greedy))
+    return torch.where(greedy, logits.argmax(dim=-1), _sample_random(logits, batch))
 
 
 class Sampler:
