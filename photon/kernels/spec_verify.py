@@ -12,6 +12,8 @@ probabilities (a decision within ~1e-7 of its threshold).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
@@ -26,7 +28,9 @@ from photon.kernels.sampling import (
     _scaled,
     filter_thresholds,
 )
-from photon.worker.sampler import SamplingBatch
+
+if TYPE_CHECKING:
+    from photon.worker.sampler import SamplingBatch
 
 _ACCEPT_KEY = tl.constexpr(ACCEPT_SALT << 32)  # photon.spec.rejection.salted_keys
 _RESIDUAL_KEY = tl.constexpr(RESIDUAL_SALT << 32)
