@@ -21,11 +21,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from typing import Any
 
 from photon.config import EngineConfig
 from photon.engine.core_client import start_core
 from photon.engine.core_proc import client_addresses
+from photon.server.admission import SharedCount
 from photon.server.api_server import ApiServerSpec
 from photon.server.openai_serving import ServerConfig
 
@@ -42,6 +44,13 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def shared_server_config(server: ServerConfig, directory: str) -> ServerConfig:
+    """`server` for every API server of one deployment: one admission count in `directory`."""
+    path = os.path.join(directory, "admission")
+    SharedCount.create(path)
+    return replace(server, shared_admission=path)
+
+
 def serve_many(config: EngineConfig, server: ServerConfig, host: str, port: int, count: int,
                log_level: str) -> int:
     directory = tempfile.mkdtemp(prefix="photon-serve-")
@@ -55,6 +64,7 @@ def serve_many(config: EngineConfig, server: ServerConfig, host: str, port: int,
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     sock = listening_socket(host, port)
     clients = client_addresses(directory, count)
+    server = shared_server_config(server, directory)
     procs: dict[str, subprocess.Popen] = {}
     try:
         procs["engine core"] = start_core(config, clients)
@@ -62,14 +72,14 @@ def serve_many(config: EngineConfig, server: ServerConfig, host: str, port: int,
         for i, addresses in enumerate(clients):
             spec = ApiServerSpec(config, server, addresses, i, procs["engine core"].pid,
                                  sock.fileno(), log_level)
-            procs[f"API server {i}"] = _start_api_server(spec, env)
+            procs[f"API server {i}"] = start_api_server(spec, env)
         host_port = sock.getsockname()[:2]
         print(f"photon serve: {count} API servers on http://{host_port[0]}:{host_port[1]}",
               file=sys.stderr, flush=True)
         died = _supervise(procs, stop)
     finally:
         sock.close()
-        _stop_all(procs)
+        stop_all(procs)
         for s, handler in old.items():
             signal.signal(s, handler)
         shutil.rmtree(directory, ignore_errors=True)
@@ -80,7 +90,8 @@ def serve_many(config: EngineConfig, server: ServerConfig, host: str, port: int,
     return 1
 
 
-def _start_api_server(spec: ApiServerSpec, env: dict[str, str]) -> subprocess.Popen:
+def start_api_server(spec: ApiServerSpec, env: dict[str, str]) -> subprocess.Popen:
+    """One API server process (photon.server.api_server), which inherits `spec.fd`."""
     proc = subprocess.Popen([sys.executable, "-m", "photon.server.api_server"],
                             stdin=subprocess.PIPE, pass_fds=(spec.fd,), env=env)
     proc.stdin.write(pickle.dumps(spec))
@@ -100,7 +111,7 @@ def _supervise(procs: dict[str, subprocess.Popen], stop: dict[str, bool]
     return None
 
 
-def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
+def stop_all(procs: dict[str, subprocess.Popen]) -> None:
     """API servers first (they finish their responses), then the core; then whatever is
     left is killed. Every process is reaped."""
     core = procs.get("engine core")
