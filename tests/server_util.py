@@ -37,6 +37,16 @@ class LiveServer:
         return self.base_url + "/v1"
 
 
+def in_process_only() -> None:
+    """Skip a test that patches or reads the server inside this process: with several API
+    servers (PHOTON_TEST_API_SERVERS > 1) they run in processes of their own."""
+    if api_server_count() > 1:
+        import pytest
+
+        pytest.skip("looks inside the server process (PHOTON_TEST_API_SERVERS > 1: the API "
+                    "servers run in processes of their own)")
+
+
 def openai_client(server: LiveServer, api_key: str = "none") -> Any:
     """The official openai client on `server` (no retries: a failure shows at once)."""
     import openai

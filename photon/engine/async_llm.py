@@ -34,6 +34,7 @@ from photon.engine.async_engine import (
     _Counters,
     _NullObserver,
     stopped_message,
+    stream_request,
 )
 from photon.engine.core_client import CoreClient
 from photon.engine.messages import (
@@ -86,8 +87,9 @@ def exit_cause(code: int | None) -> str:
         except ValueError:
             name = f"signal {-code}"
         return f"the engine core process was killed by {name}"
-    return (f"the engine core process exited unexpectedly (exit code {code}; its error, if it "
-            f"raised one, is in the log above)")
+    status = "" if code is None else f"exit code {code}; "  # None: another process's child
+    return (f"the engine core process exited unexpectedly ({status}its error, if it raised "
+            f"one, is in the log above)")
 
 
 class AsyncLLM:
@@ -171,22 +173,10 @@ class AsyncLLM:
         if core_id is not None and self.client.alive:
             self.client.send(Abort([core_id]))
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 request_id: str) -> AsyncIterator[RequestOutput]:
         """One request's delta outputs; leaving the loop early aborts the request."""
-        sink = RequestSink()
-        await self.add_request(prompt_ids, params, request_id, sink)
-        finished = False
-        try:
-            while not finished:
-                _, item = await sink.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
+        return stream_request(self, prompt_ids, params, request_id)
 
     def call_utility(self, method: str, timeout: float = 30.0) -> int | str | None:
         """Run one of the core's utility methods (photon.engine.core_proc.UTILITIES, or
