@@ -12,9 +12,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from tests.server_util import wait_until
+import httpx
 
-_RUNNING = re.compile(r"running on http://127\.0\.0\.1:(\d+)")
+from tests.server_util import api_server_count, wait_until
+
+# uvicorn's line, or with several API servers the launcher's
+_RUNNING = re.compile(r"(?:running on|API servers on) http://127\.0\.0\.1:(\d+)")
 
 
 @dataclass(frozen=True)
@@ -115,9 +118,12 @@ def _read_stderr(server: ServeProcess, started: threading.Event) -> None:
 
 @contextmanager
 def serve_process(*args: str, timeout: float = 300.0) -> Iterator[ServeProcess]:
-    """`photon serve` on photon-tiny on a free loopback port (`--port 0`); on exit, it and every
-    descendant are killed if still running, and it is reaped."""
-    cmd = [sys.executable, "-m", "photon.cli", "serve", "--port", "0", "--seed", "0", *args]
+    """`photon serve` on photon-tiny on a free loopback port (`--port 0`), with
+    `--api-server-count` from PHOTON_TEST_API_SERVERS, yielded once it answers; on exit, it and
+    every descendant are killed if still running, and it is reaped."""
+    count = api_server_count()
+    cmd = [sys.executable, "-m", "photon.cli", "serve", "--port", "0", "--seed", "0",
+           "--api-server-count", str(count), *args]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     server = ServeProcess(proc)
@@ -128,6 +134,7 @@ def serve_process(*args: str, timeout: float = 300.0) -> Iterator[ServeProcess]:
     try:
         assert started.wait(timeout), "photon serve did not start"
         assert server.port, f"photon serve exited: {server.stderr_text()}"
+        wait_until(lambda: _healthy(server), "photon serve answers", timeout)
         family = server.descendants()
         yield server
     finally:
@@ -140,6 +147,14 @@ def serve_process(*args: str, timeout: float = 300.0) -> Iterator[ServeProcess]:
         server.reader.join(30)
         assert proc.stderr is not None
         proc.stderr.close()
+
+
+def _healthy(server: ServeProcess) -> bool:
+    assert server.proc.poll() is None, f"photon serve exited: {server.stderr_text()}"
+    try:
+        return httpx.get(server.base_url + "/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def wait_all_gone(pids: list[Pid], timeout: float = 30.0) -> None:

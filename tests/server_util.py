@@ -18,6 +18,7 @@ from photon.config import EngineArgs, EngineConfig
 from photon.engine.async_engine import AsyncEngine
 from photon.engine.async_llm import AsyncLLM
 from photon.engine.engine_core import EngineCore
+from photon.server.admission import Admission
 from photon.server.app import build_app
 from photon.server.openai_serving import ServerConfig
 
@@ -26,13 +27,24 @@ TINY_ARGS: dict[str, Any] = {"max_model_len": 256, "max_num_seqs": 32, "seed": 0
 
 @dataclass
 class LiveServer:
-    app: FastAPI
+    app: FastAPI | None  # None: the API servers run in processes of their own
     base_url: str  # http://127.0.0.1:PORT
-    engine: AsyncEngine
+    engine: AsyncEngine | AsyncLLM  # with several API servers: the test's own front end
+    admission: Admission  # the server's admission count (with several: their shared count)
 
     @property
     def api_url(self) -> str:
         return self.base_url + "/v1"
+
+
+def in_process_only() -> None:
+    """Skip a test that patches or reads the server inside this process: with several API
+    servers (PHOTON_TEST_API_SERVERS > 1) they run in processes of their own."""
+    if api_server_count() > 1:
+        import pytest
+
+        pytest.skip("looks inside the server process (PHOTON_TEST_API_SERVERS > 1: the API "
+                    "servers run in processes of their own)")
 
 
 def openai_client(server: LiveServer, api_key: str = "none") -> Any:
@@ -51,24 +63,52 @@ def engine_mode() -> str:
     return mode
 
 
+def api_server_count() -> int:
+    """How many API server processes the test servers run, chosen with PHOTON_TEST_API_SERVERS
+    (default 1: the app in the test process). With N > 1, `live_server` runs what `photon serve
+    --api-server-count N` runs (tests/multi_server.py), and so do the `photon serve` processes
+    tests start (tests/serve_process.py)."""
+    value = os.environ.get("PHOTON_TEST_API_SERVERS", "1")
+    assert value.isdigit() and int(value) >= 1, \
+        f"PHOTON_TEST_API_SERVERS={value!r}: a number of API servers >= 1"
+    assert int(value) == 1 or engine_mode() == "process", \
+        "several API servers need PHOTON_TEST_ENGINE=process"
+    return int(value)
+
+
 def make_engine(config: EngineConfig) -> AsyncEngine | AsyncLLM:
     if engine_mode() == "thread":
         return AsyncEngine(EngineCore(config))
     return AsyncLLM(config)
 
 
-def make_app(engine_args: dict[str, Any] | None = None, **server: Any) -> FastAPI:
+def make_configs(engine_args: dict[str, Any] | None = None, **server: Any
+                 ) -> tuple[EngineConfig, ServerConfig]:
     config = EngineArgs(**{**TINY_ARGS, **(engine_args or {})}).create_config()
-    scfg = ServerConfig(served_model_name=config.model.served_model_name,
-                        max_model_len=config.model.max_model_len, **server)
+    return config, ServerConfig(served_model_name=config.model.served_model_name,
+                                max_model_len=config.model.max_model_len, **server)
+
+
+def make_app(engine_args: dict[str, Any] | None = None, **server: Any) -> FastAPI:
+    config, scfg = make_configs(engine_args, **server)
     return build_app(make_engine(config), scfg)
 
 
 @contextmanager
 def live_server(engine_args: dict[str, Any] | None = None, send_buffer: int | None = None,
-                **server: Any) -> Iterator[LiveServer]:
+                api_servers: int | None = None, **server: Any) -> Iterator[LiveServer]:
     """`send_buffer`: the connections' kernel send buffer in bytes (default: the system's,
-    growing as needed), small to let a slow client hold the server up soon."""
+    growing as needed), small to let a slow client hold the server up soon. `api_servers`:
+    how many API server processes (default: `api_server_count()`); with one, the app runs in
+    this process (`LiveServer.app`), with more they run as `photon serve --api-server-count`
+    runs them (`LiveServer.app` is None)."""
+    count = api_servers or api_server_count()
+    if count > 1:
+        from tests.multi_server import multi_live_server
+
+        with multi_live_server(*make_configs(engine_args, **server), count, send_buffer) as live:
+            yield live
+        return
     app = make_app(engine_args, **server)
     try:
         with serve_app(app, send_buffer) as live:
@@ -95,7 +135,8 @@ def serve_app(app: FastAPI, send_buffer: int | None = None) -> Iterator[LiveServ
         if not srv.started:
             raise RuntimeError("uvicorn did not start")
         port = srv.servers[0].sockets[0].getsockname()[1]
-        yield LiveServer(app, f"http://127.0.0.1:{port}", app.state.engine)
+        yield LiveServer(app, f"http://127.0.0.1:{port}", app.state.engine,
+                         app.state.serving.admission)
     finally:
         srv.should_exit = True
         thread.join(10)

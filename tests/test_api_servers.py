@@ -130,7 +130,8 @@ def test_a_dead_core_stops_the_server_with_an_error(server: tuple[subprocess.Pop
     assert len(core) == 1
     os.kill(core[0], signal.SIGKILL)
     assert proc.wait(60) == 1
-    assert "engine core exited" in proc.stderr.read()
+    assert "photon serve: exiting: the engine core process was killed by SIGKILL" in \
+        proc.stderr.read()
 
 
 def _cmdline(pid: int) -> bytes:

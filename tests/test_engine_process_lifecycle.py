@@ -1,8 +1,10 @@
 """The engine-core process's life: a start-up error reaches the front end with the core's message,
-shutdown leaves no process behind, and a core whose front end was killed exits by itself."""
+shutdown leaves no process behind, a core whose front end was killed exits by itself, and a core
+whose loop raised names the exception to its front end."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
 import signal
@@ -12,13 +14,19 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
+from photon import SamplingParams
 from photon.config import EngineArgs
+from photon.engine.async_engine import EngineUnavailableError
 from photon.engine.async_llm import AsyncLLM
 from photon.engine.core_client import CoreStartError
+from photon.engine.core_proc import FAULT_STEP_ENV
 from photon.engine.engine_core import EngineCore
-from tests.server_util import TINY_ARGS
+from photon.server.app import build_app
+from photon.server.openai_serving import ServerConfig
+from tests.server_util import TINY_ARGS, serve_app
 
 EXIT_WAIT_S = 30.0  # bound on waiting for a process to go
 START_WAIT_S = 120.0  # bound on a front end's start (model build in the core included)
@@ -131,3 +139,66 @@ def _reap(front: subprocess.Popen, tree: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
     front.stdin.close()
     front.stdout.close()
+
+
+FAULTY_STEP = "3"
+FAULT_TEXT = "RuntimeError: fault injected at step 3"
+
+
+async def _run_until_error(engine: AsyncLLM) -> tuple[int, BaseException | None]:
+    """A long request: how many outputs it got before its stream raised, and what it raised."""
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    got = 0
+    try:
+        async for _ in engine.generate([5, 6, 7], params, "long"):
+            got += 1
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        return got, e
+    return got, None
+
+
+def test_a_failing_core_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The core's step raises after start-up: the open request, and a later one, fail with
+    EngineUnavailableError naming the exception's type and message; `dead` is set, and the core
+    process is reaped on shutdown."""
+    monkeypatch.setenv(FAULT_STEP_ENV, FAULTY_STEP)
+    engine = AsyncLLM(EngineArgs(**TINY_ARGS).create_config())
+    core = engine.client.proc
+    try:
+        engine.start()
+        got, error = asyncio.run(asyncio.wait_for(_run_until_error(engine), START_WAIT_S))
+        assert got < 200 and isinstance(error, EngineUnavailableError)
+        assert str(error).startswith(f"the engine core failed: {FAULT_TEXT} ")
+        assert engine.dead.wait(EXIT_WAIT_S) and not engine.healthy
+        with pytest.raises(EngineUnavailableError, match=FAULT_TEXT):
+            asyncio.run(_run_until_error_raising(engine))
+    finally:
+        engine.shutdown()
+    assert core.returncode == 1
+    assert _wait_gone([core.pid]) == []
+
+
+async def _run_until_error_raising(engine: AsyncLLM) -> None:
+    async for _ in engine.generate([5, 6], SamplingParams(max_tokens=2), "later"):
+        pass
+
+
+def test_a_failing_core_answers_503_with_its_cause(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over HTTP: the request in flight when the core's step raises, and a later one, get 503
+    with the exception's text in the error body; /health turns 503."""
+    monkeypatch.setenv(FAULT_STEP_ENV, FAULTY_STEP)
+    config = EngineArgs(**TINY_ARGS).create_config()
+    engine = AsyncLLM(config)
+    body = {"prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}
+    try:
+        app = build_app(engine, ServerConfig(served_model_name=config.model.served_model_name,
+                                             max_model_len=config.model.max_model_len))
+        with serve_app(app) as live:
+            for _ in range(2):
+                r = httpx.post(live.api_url + "/completions", json=body, timeout=60)
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "engine_dead"
+                assert FAULT_TEXT in r.json()["error"]["message"]
+            assert httpx.get(live.base_url + "/health", timeout=10).status_code == 503
+    finally:
+        engine.shutdown()

@@ -18,7 +18,7 @@ from photon.cli import main
 from photon.config import ConfigError, EngineArgs
 from photon.model.tiny import ensure_photon_tiny
 from photon.server.protocol import ChatCompletionRequest, CompletionRequest
-from tests.server_util import LiveServer, live_server
+from tests.server_util import LiveServer, in_process_only, live_server
 
 MODEL_DEFAULTS = {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.05,
                   "repetition_penalty": 1.1, "max_new_tokens": 7}
@@ -123,6 +123,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 def params_for(server: LiveServer, req: CompletionRequest | ChatCompletionRequest
                ) -> SamplingParams:
     """What the server makes of a request (the same conversion the handlers call)."""
+    in_process_only()
     serving = server.app.state.serving
     if isinstance(req, CompletionRequest):
         return serving.sampling_params(req, req.max_tokens, req.logprobs)

@@ -16,6 +16,7 @@ import pytest
 
 from photon.engine.async_llm import exit_cause
 from tests.serve_process import ServeProcess, cmdline, serve_process, wait_all_gone
+from tests.server_util import api_server_count
 
 LONG = {"prompt": "once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}
 ARGS = ("--max-model-len", "1024")
@@ -63,7 +64,10 @@ def test_core_killed_mid_stream() -> None:
         assert not reader.is_alive()
         assert events[-1] == "[DONE]", events[-3:]
         (error,) = _errors(events)
-        assert error["code"] == "engine_dead" and "killed by SIGKILL" in error["message"]
+        # An API server of several cannot see the exit status of the core (not its child);
+        # the launcher names it on stderr.
+        words = "killed by SIGKILL" if api_server_count() == 1 else "core process exited"
+        assert error["code"] == "engine_dead" and words in error["message"], error
         assert not any('"finish_reason":"length"' in e for e in events)
         _check_refused(server)
         assert server.wait_exit(30) == 1

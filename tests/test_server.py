@@ -12,7 +12,14 @@ import httpx
 import openai
 import pytest
 
-from tests.server_util import LiveServer, engine_mode, live_server, wait_drained, wait_until
+from tests.server_util import (
+    LiveServer,
+    api_server_count,
+    engine_mode,
+    live_server,
+    wait_drained,
+    wait_until,
+)
 
 KEY = "test-key"
 MODEL = "photon-tiny"
@@ -22,6 +29,19 @@ MODEL = "photon-tiny"
 def server() -> Iterator[LiveServer]:
     with live_server(api_key=KEY, max_request_body_bytes=1 << 20) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def two_servers() -> Iterator[LiveServer]:
+    """The same server as `photon serve --api-server-count 2` runs it."""
+    with live_server(api_servers=2, api_key=KEY, max_request_body_bytes=1 << 20) as s:
+        yield s
+
+
+@pytest.fixture(params=["default", "api-servers-2"])
+def any_server(request: pytest.FixtureRequest, server: LiveServer) -> LiveServer:
+    """A few representative tests run against both: one and two API server processes."""
+    return server if request.param == "default" else request.getfixturevalue("two_servers")
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +133,8 @@ def test_chat_stream_usage(client: openai.OpenAI) -> None:
     assert text == full.choices[0].message.content
 
 
-def test_completion_stream_usage(client: openai.OpenAI) -> None:
+def test_completion_stream_usage(any_server: LiveServer) -> None:
+    client = openai.OpenAI(base_url=any_server.api_url, api_key=KEY, max_retries=0, timeout=60)
     chunks = list(client.completions.create(
         model=MODEL, prompt="abc", max_tokens=5, stream=True, n=2,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
@@ -147,7 +168,8 @@ def test_bad_requests(client: openai.OpenAI, kwargs: dict, words: list[str]) -> 
     assert all(w in message for w in words), message
 
 
-def test_bad_json_and_body_limit(server: LiveServer) -> None:
+def test_bad_json_and_body_limit(any_server: LiveServer) -> None:
+    server = any_server
     h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     r = httpx.post(server.api_url + "/completions", content=b"{not json", headers=h)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
@@ -175,7 +197,8 @@ def test_tokenize_roundtrip(server: LiveServer) -> None:
         assert str(tokens[-1]) in bad.json()["error"]["message"]
 
 
-def test_disconnect_mid_stream_frees_blocks(server: LiveServer) -> None:
+def test_disconnect_mid_stream_frees_blocks(any_server: LiveServer) -> None:
+    server = any_server
     h = {"Authorization": f"Bearer {KEY}"}
     body = {"prompt": "tell me a story", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.api_url + "/completions", json=body, headers=h) as r:
@@ -219,6 +242,9 @@ def _break_engine(s: LiveServer) -> None:
 def test_engine_death_gives_503_health() -> None:
     """Once the engine has stopped, /health and /ping are 503 and a new request is refused with
     503 (service_unavailable, code engine_dead), naming the cause."""
+    if api_server_count() > 1:
+        pytest.skip("several API servers exit once the core has died (test_serve_lifecycle's "
+                    "test_core_killed_mid_stream checks them)")
     thread = engine_mode() == "thread"
     cause = "injected failure" if thread else "killed by SIGKILL"
     with live_server() as s:

@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from photon.cli import build_parser
-from photon.server.admission import Admission
+from photon.server.admission import Admission, SharedCount
+from photon.server.errors import APIError
 from photon.server.launch import server_config
 from tests.server_util import LiveServer, engine_paused, live_server, wait_drained, wait_until
 
@@ -32,7 +33,7 @@ def server() -> Iterator[LiveServer]:
 
 @pytest.fixture()
 def admission(server: LiveServer) -> Iterator[Admission]:
-    admission = server.app.state.serving.admission
+    admission = server.admission
     yield admission
     wait_until(lambda: admission.in_flight == 0, "every admitted sequence is released")
     wait_drained(server.engine)
@@ -81,6 +82,37 @@ def test_concurrent_burst_admits_exactly_the_capacity(server: LiveServer,
     with engine_paused(server.engine) as gate:
         statuses = asyncio.run(_burst(server, admission, gate, 10))
     assert statuses == [200] * 4 + [429] * 6
+
+
+@pytest.fixture(scope="module")
+def two_servers() -> Iterator[LiveServer]:
+    with live_server({"max_num_seqs": MAX_RUNNING}, api_servers=2,
+                     max_queued_requests=MAX_QUEUED) as s:
+        yield s
+
+
+def test_two_api_servers_admit_the_servers_capacity_together(two_servers: LiveServer) -> None:
+    """--api-server-count 2: the limit is the whole server's, wherever connections land."""
+    with engine_paused(two_servers.engine) as gate:
+        statuses = asyncio.run(_burst(two_servers, two_servers.admission, gate, 10))
+    assert statuses == [200] * 4 + [429] * 6
+    wait_until(lambda: two_servers.admission.in_flight == 0, "every sequence is released")
+
+
+def test_api_servers_share_one_count(tmp_path: Any) -> None:
+    """Two servers' admissions on one shared count: each sees what the other admitted."""
+    path = str(tmp_path / "admission")
+    SharedCount.create(path)
+    first, second = (Admission(MAX_RUNNING, MAX_QUEUED, path) for _ in range(2))
+    held = first.admit(3)
+    with pytest.raises(APIError) as full:
+        second.admit(2)
+    assert full.value.status == 429 and "1 sequences queued, limit 2" in str(full.value)
+    other = second.admit(1)
+    assert (first.in_flight, second.in_flight) == (4, 4)
+    held.release_all()
+    other.release(1)
+    assert (first.in_flight, second.in_flight) == (0, 0)
 
 
 def test_request_larger_than_capacity_is_400(server: LiveServer, admission: Admission) -> None:

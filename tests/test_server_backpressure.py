@@ -9,6 +9,7 @@ import json
 import socket
 
 import httpx
+import pytest
 
 from photon.engine.request_sink import RequestSink, merge_outputs
 from photon.outputs import CompletionOutput, Logprob, RequestOutput
@@ -84,13 +85,14 @@ def _sse_events(raw: bytes) -> list[str]:
     return [line[6:] for line in data.decode().split("\n") if line.startswith("data: ")]
 
 
-def test_slow_reader_gets_merged_events_and_the_full_text() -> None:
+@pytest.mark.parametrize("api_servers", [None, 2], ids=["default", "api-servers-2"])
+def test_slow_reader_gets_merged_events_and_the_full_text(api_servers: int | None) -> None:
     """A client that stops reading (small socket buffers, nothing read until the engine has
     finished its request: the server's writes back up) then gets the rest in fewer events than
     tokens, and the same text and logprobs as a client that reads at once."""
     body = {"prompt": "once upon a time", "max_tokens": 200, "ignore_eos": True,
             "temperature": 0, "logprobs": 20}
-    with live_server(send_buffer=4096) as s:
+    with live_server(send_buffer=4096, api_servers=api_servers) as s:
         fast = httpx.post(s.api_url + "/completions", json=body, timeout=120).json()
         payload = json.dumps({**body, "stream": True}).encode()
         host, port = s.base_url.removeprefix("http://").split(":")

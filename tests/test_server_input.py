@@ -16,7 +16,7 @@ import photon.server.openai_serving as openai_serving
 from photon.errors import ParamError
 from photon.server.tokenization import char_bound
 from photon.tokenizer import Tokenizer
-from tests.server_util import LiveServer, live_server
+from tests.server_util import LiveServer, in_process_only, live_server
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -122,6 +122,7 @@ def _raising(exc: ValueError) -> Any:
 ])
 def test_sampling_params_errors_name_the_field(server: LiveServer, monkeypatch: Any,
                                                exc: ValueError, param: str | None) -> None:
+    in_process_only()
     monkeypatch.setattr(openai_serving, "SamplingParams", _raising(exc))
     for path, body in (("/completions", {"prompt": "x"}), ("/chat/completions",
                                                             {"messages": CHAT})):
@@ -155,6 +156,7 @@ def blocked_tokenizer(tokenizer: Tokenizer, monkeypatch: Any
 def test_health_answers_while_tokenizing(server: LiveServer,
                                          blocked_tokenizer: tuple[threading.Event,
                                                                   threading.Event]) -> None:
+    in_process_only()
     entered, release = blocked_tokenizer
     with ThreadPoolExecutor(1) as pool:
         tokenize = pool.submit(httpx.post, server.base_url + "/tokenize", timeout=60,
@@ -185,6 +187,7 @@ def encode_calls(tokenizer: Tokenizer, monkeypatch: Any) -> list[str]:
 
 def test_too_long_text_is_refused_before_tokenizing(server: LiveServer, tokenizer: Tokenizer,
                                                     encode_calls: list[str]) -> None:
+    in_process_only()
     bound = char_bound(tokenizer)
     assert bound is not None  # byte-level BPE: bounded by its longest token
     max_len = server.app.state.config.max_model_len

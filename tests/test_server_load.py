@@ -52,5 +52,5 @@ def test_concurrent_streams_with_disconnects() -> None:
         assert results.count("dropped") > 0
         assert httpx.get(server.base_url + "/health").status_code == 200
         wait_drained(server.engine)
-        admission = server.app.state.serving.admission
+        admission = server.admission
         wait_until(lambda: admission.in_flight == 0, "every admitted sequence is released")

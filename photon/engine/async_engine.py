@@ -180,22 +180,10 @@ class AsyncEngine:
 
         return self.call(run, timeout)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 request_id: str) -> AsyncIterator[RequestOutput]:
         """One request's delta outputs; leaving the loop early aborts the request."""
-        sink = RequestSink()
-        await self.add_request(prompt_ids, params, request_id, sink)
-        finished = False
-        try:
-            while not finished:
-                _, item = await sink.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
+        return stream_request(self, prompt_ids, params, request_id)
 
     def _check_alive(self) -> None:
         if not self.healthy:
@@ -293,6 +281,33 @@ class AsyncEngine:
                 cmd.done(EngineUnavailableError(str(exc)))
             elif isinstance(cmd, _Call):
                 cmd.result.set_exception(exc)
+
+
+class _Streaming(Protocol):
+    async def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                          sink: RequestSink) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+
+async def stream_request(engine: _Streaming, prompt_ids: list[int], params: SamplingParams,
+                         request_id: str) -> AsyncIterator[RequestOutput]:
+    """`generate` of AsyncEngine and AsyncLLM: one request's delta outputs from its own sink;
+    an error put in the sink is raised; leaving the loop before the final output aborts the
+    request."""
+    sink = RequestSink()
+    await engine.add_request(prompt_ids, params, request_id, sink)
+    finished = False
+    try:
+        while not finished:
+            _, item = await sink.get()
+            if isinstance(item, BaseException):
+                raise item
+            finished = item.finished
+            yield item
+    finally:
+        if not finished:
+            engine.abort(request_id)
 
 
 def stopped_message(error: BaseException | None) -> str:

@@ -6,7 +6,9 @@ process keeps what is per request and not per step: the edge checks (`RequestChe
 the core receives never fails them), detokenization and stop strings (`OutputProcessor`), logprob
 texts, and the callers' output streams. One reader thread receives the core's per-step messages
 and hands each request's delta output to its `RequestSink`. If the core process dies, every open
-stream fails with `EngineDeadError`, `healthy` turns false and `dead` is set.
+stream fails with `EngineDeadError`, `healthy` turns false and `dead` is set. If its loop raised,
+the core says why first (`CoreError`): the cause is logged once, and every open and later request
+fails with `EngineUnavailableError` naming the exception.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import gc
 import itertools
+import logging
 import signal
 import threading
 import time
@@ -31,9 +34,17 @@ from photon.engine.async_engine import (
     _Counters,
     _NullObserver,
     stopped_message,
+    stream_request,
 )
 from photon.engine.core_client import CoreClient
-from photon.engine.messages import Abort, AddRequest, Utility, UtilityResult
+from photon.engine.messages import (
+    Abort,
+    AddRequest,
+    CoreError,
+    StepOutputs,
+    Utility,
+    UtilityResult,
+)
 from photon.engine.output_processor import OutputProcessor
 from photon.engine.request_checks import RequestChecks
 from photon.engine.request_sink import hand_over
@@ -44,6 +55,7 @@ from photon.structured.manager import StructuredOutputManager
 from photon.tokenizer import Tokenizer
 
 _POLL_MS = 100  # how often the reader looks at the core process while no output comes
+logger = logging.getLogger(__name__)
 
 
 class Frontend:
@@ -75,8 +87,9 @@ def exit_cause(code: int | None) -> str:
         except ValueError:
             name = f"signal {-code}"
         return f"the engine core process was killed by {name}"
-    return (f"the engine core process exited unexpectedly (exit code {code}; its error, if it "
-            f"raised one, is in the log above)")
+    status = "" if code is None else f"exit code {code}; "  # None: another process's child
+    return (f"the engine core process exited unexpectedly ({status}its error, if it raised "
+            f"one, is in the log above)")
 
 
 class AsyncLLM:
@@ -160,22 +173,10 @@ class AsyncLLM:
         if core_id is not None and self.client.alive:
             self.client.send(Abort([core_id]))
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 request_id: str) -> AsyncIterator[RequestOutput]:
         """One request's delta outputs; leaving the loop early aborts the request."""
-        sink = RequestSink()
-        await self.add_request(prompt_ids, params, request_id, sink)
-        finished = False
-        try:
-            while not finished:
-                _, item = await sink.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
+        return stream_request(self, prompt_ids, params, request_id)
 
     def call_utility(self, method: str, timeout: float = 30.0) -> int | str | None:
         """Run one of the core's utility methods (photon.engine.core_proc.UTILITIES, or
@@ -204,19 +205,39 @@ class AsyncLLM:
             msg = self.client.recv(_POLL_MS)
             if msg is None:
                 if not self.client.alive and not self._stop:
-                    self._core_died()
+                    self._after_exit()
                     return
-                continue
-            now = time.monotonic()
-            ready: list[tuple[RequestSink, tuple[Any, RequestOutput]]] = []
-            for delta in msg.requests:
-                self._dispatch(delta, now, ready)
-            hand_over(ready)
-            for result in msg.utility:
-                self._answer(result)
-            self.counters.num_waiting = msg.stats.num_waiting
-            self.counters.num_running = msg.stats.num_running
-            self.observer.on_step(msg.step_s, msg.gap_s, msg.stats)
+            elif isinstance(msg, CoreError):
+                self._core_failed(msg)
+                return
+            else:
+                self._on_step(msg)
+
+    def _on_step(self, msg: StepOutputs) -> None:
+        now = time.monotonic()
+        ready: list[tuple[RequestSink, tuple[Any, RequestOutput]]] = []
+        for delta in msg.requests:
+            self._dispatch(delta, now, ready)
+        hand_over(ready)
+        for result in msg.utility:
+            self._answer(result)
+        self.counters.num_waiting = msg.stats.num_waiting
+        self.counters.num_running = msg.stats.num_running
+        self.observer.on_step(msg.step_s, msg.gap_s, msg.stats)
+
+    def _after_exit(self) -> None:
+        """The core process has exited: take what it sent last (its error, if its loop raised,
+        may still be on its way), then fail everything with the best cause known."""
+        while (msg := self.client.recv(_POLL_MS)) is not None:
+            if isinstance(msg, CoreError):
+                self._core_failed(msg)
+                return
+            self._on_step(msg)
+        self._core_died(EngineDeadError(exit_cause(self.client.exitcode)))
+
+    def _core_failed(self, msg: CoreError) -> None:
+        logger.error("photon: %s", msg.describe())
+        self._core_died(EngineUnavailableError(msg.describe()))
 
     def _dispatch(self, delta: Any, now: float,
                   ready: list[tuple[RequestSink, tuple[Any, RequestOutput]]]) -> None:
@@ -246,11 +267,11 @@ class AsyncLLM:
         else:
             fut.set_exception(RuntimeError(result.error))
 
-    def _core_died(self) -> None:
+    def _core_died(self, error: EngineDeadError) -> None:
         # Every request and call added before this point is failed below; later ones see
         # `error` under the lock and are refused.
         with self._lock:
-            self.error = EngineDeadError(exit_cause(self.client.exitcode))
+            self.error = error
         self._fail_all(self.error)
         self.dead.set()
 

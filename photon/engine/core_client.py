@@ -29,10 +29,10 @@ from photon.engine.core_proc import ClientAddresses, client_addresses
 from photon.engine.messages import (
     CoreFailed,
     CoreInput,
+    CoreOutput,
     CoreReady,
     CoreStarted,
     Shutdown,
-    StepOutputs,
 )
 
 _START_TIMEOUT_S = 900.0  # model load and CUDA graph capture included
@@ -84,7 +84,7 @@ class CoreClient:
         self._outputs.bind(addresses.outputs)
         self._send_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(StepOutputs)
+        self._decoder = msgspec.msgpack.Decoder(CoreOutput)
         self.ready: CoreReady | None = None
 
     @classmethod
@@ -146,8 +146,9 @@ class CoreClient:
         with self._send_lock:
             self._inputs.send(data, copy=False)
 
-    def recv(self, timeout_ms: int) -> StepOutputs | None:
-        """The next step's outputs, or None after `timeout_ms` without one."""
+    def recv(self, timeout_ms: int) -> CoreOutput | None:
+        """The next step's outputs (or the core's error), or None after `timeout_ms` without
+        one."""
         if not self._outputs.poll(timeout_ms):
             return None
         return self._decoder.decode(self._outputs.recv(copy=False).buffer)

@@ -5,7 +5,11 @@ the input socket (requests, aborts), runs one `EngineCore.step()` and sends one 
 message with every touched request's delta: no HTTP, no detokenization, no JSON. With no work it
 blocks on the input socket (waking every second to notice a dead parent: the core never outlives
 its front end). SIGTERM and SIGINT end the loop between steps; the front end stops it with a
-`Shutdown` message.
+`Shutdown` message. If the loop raises, the core sends every front end a `CoreError` with the
+exception's type and message, then exits with the error (its traceback goes to stderr).
+
+For tests of that path, `PHOTON_TEST_CORE_FAULT_STEP=N` (read when the core starts) makes the
+core's N-th step (counting from 1) raise `RuntimeError`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from photon.engine.messages import (
     Abort,
     AddRequest,
     ChildDelta,
+    CoreError,
     CoreFailed,
     CoreInput,
     CoreReady,
@@ -40,6 +45,7 @@ from photon.engine.messages import (
 from photon.outputs import RequestOutput
 
 _IDLE_POLL_MS = 1000
+FAULT_STEP_ENV = "PHOTON_TEST_CORE_FAULT_STEP"
 
 
 def _check_drained(core: EngineCore) -> None:
@@ -102,11 +108,12 @@ def run_engine_core(config: EngineConfig, clients: list[ClientAddresses]) -> Non
         core = EngineCore(config, detokenize=False)
         core.structured.start()  # the grammar worker boots now, not with the first grammar
         _send_all(outputs, encoder.encode(CoreReady(core.runner.num_blocks, os.getpid())))
-        _CoreLoop(core, inputs, outputs, stop).run()
+        _CoreLoop(core, inputs, outputs, stop, _fault_step()).run()
     except Exception as e:  # noqa: BLE001 - reported to the front ends, which raise it
         if core is None:
             _send_all(outputs, encoder.encode(CoreFailed(type(e).__name__, str(e))))
         else:
+            _send_all(outputs, encoder.encode(CoreError(type(e).__name__, str(e))))
             raise
     finally:
         if core is not None:
@@ -117,6 +124,16 @@ def run_engine_core(config: EngineConfig, clients: list[ClientAddresses]) -> Non
         ctx.term()
 
 
+def _fault_step() -> int | None:
+    """The step that raises on purpose (tests only: `PHOTON_TEST_CORE_FAULT_STEP`), or None."""
+    value = os.environ.get(FAULT_STEP_ENV)
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{FAULT_STEP_ENV}={value!r}: a step number >= 1")
+    return int(value)
+
+
 def _send_all(outputs: list[zmq.Socket], data: bytes) -> None:
     for out in outputs:
         out.send(data, copy=False)
@@ -124,8 +141,10 @@ def _send_all(outputs: list[zmq.Socket], data: bytes) -> None:
 
 class _CoreLoop:
     def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: list[zmq.Socket],
-                 stop: dict[str, bool]) -> None:
+                 stop: dict[str, bool], fault_step: int | None = None) -> None:
         self.core = core
+        self.fault_step = fault_step
+        self.num_steps = 0
         self.inputs = inputs
         self.outputs = outputs
         self.stop = stop
@@ -149,11 +168,18 @@ class _CoreLoop:
                 last_end = None
                 continue
             start = time.monotonic()
-            outs = self.core.step()
+            outs = self._step()
             end = time.monotonic()
             gap = start - last_end if last_end is not None else None
             self._send(outs, end - start, gap)
             last_end = end if self.core.has_unfinished() else None
+
+    def _step(self) -> list[RequestOutput]:
+        self.num_steps += 1
+        if self.num_steps == self.fault_step:
+            raise RuntimeError(f"fault injected at step {self.num_steps} "
+                               f"({FAULT_STEP_ENV})")
+        return self.core.step()
 
     def _receive(self, block: bool) -> bool:
         """Apply every queued input (waiting for one when idle); False once told to stop."""

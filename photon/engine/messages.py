@@ -3,7 +3,7 @@
 Front end -> core: `AddRequest` (a request the front end already checked), `Abort` (request ids,
 or child sequence ids of an n > 1 request), `Shutdown`. Core -> front end: one `StepOutputs` per
 engine step with every touched request's delta (new token ids, finish, logprobs) and the engine's
-stats. All of it is msgspec-encoded msgpack: plain values and dataclasses, never pickle.
+stats, and `CoreError` last if the core's loop raised. All of it is msgspec-encoded msgpack: plain values and dataclasses, never pickle.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     error: str | None = None
 
 
-class StepOutputs(msgspec.Struct, array_like=True):
+class StepOutputs(msgspec.Struct, tag="step", array_like=True):
     requests: list[RequestDelta]
     stats: EngineStats
     step_s: float | None  # the step's duration (None: no step ran, e.g. a rejected add)
@@ -93,3 +93,17 @@ class CoreFailed(msgspec.Struct, tag="failed", array_like=True):
 
 
 CoreStarted = CoreReady | CoreFailed
+
+
+class CoreError(msgspec.Struct, tag="error", array_like=True):
+    """The core's last message when its loop raised after start-up (it exits after it): every
+    request still open, and every later one, fails with this cause."""
+
+    kind: str  # the exception's type name
+    message: str
+
+    def describe(self) -> str:
+        return f"the engine core failed: {self.kind}: {self.message}"
+
+
+CoreOutput = StepOutputs | CoreError

@@ -30,7 +30,8 @@ def add_serve(sub: Any) -> None:
     p.add_argument("--max-queued-requests", type=int, default=1024,
                    help="How many sequences (prompts x n) may wait beyond the --max-num-seqs "
                         "that run at once; further requests get 429 with Retry-After "
-                        "(default 1024).")
+                        "(default 1024). With --api-server-count N the limit is the whole "
+                        "server's: the API servers share one count.")
     p.add_argument("--max-prompts-per-request", type=int, default=256,
                    help="Answer 400 for a completions request with more prompts than this "
                         "(default 256).")

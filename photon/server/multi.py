@@ -21,15 +21,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from typing import Any
 
 from photon.config import EngineConfig
+from photon.engine.async_llm import exit_cause
 from photon.engine.core_client import start_core
 from photon.engine.core_proc import client_addresses
+from photon.server.admission import SharedCount
 from photon.server.api_server import ApiServerSpec
 from photon.server.openai_serving import ServerConfig
 
 _POLL_S = 0.2
+_SELF_EXIT_S = 15.0  # how long API servers get to exit by themselves once the core has died
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -40,6 +44,13 @@ def listening_socket(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def shared_server_config(server: ServerConfig, directory: str) -> ServerConfig:
+    """`server` for every API server of one deployment: one admission count in `directory`."""
+    path = os.path.join(directory, "admission")
+    SharedCount.create(path)
+    return replace(server, shared_admission=path)
 
 
 def serve_many(config: EngineConfig, server: ServerConfig, host: str, port: int, count: int,
@@ -55,32 +66,38 @@ def serve_many(config: EngineConfig, server: ServerConfig, host: str, port: int,
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     sock = listening_socket(host, port)
     clients = client_addresses(directory, count)
+    server = shared_server_config(server, directory)
     procs: dict[str, subprocess.Popen] = {}
+    died: tuple[str, int] | None = None
     try:
         procs["engine core"] = start_core(config, clients)
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
         for i, addresses in enumerate(clients):
             spec = ApiServerSpec(config, server, addresses, i, procs["engine core"].pid,
                                  sock.fileno(), log_level)
-            procs[f"API server {i}"] = _start_api_server(spec, env)
+            procs[f"API server {i}"] = start_api_server(spec, env)
         host_port = sock.getsockname()[:2]
         print(f"photon serve: {count} API servers on http://{host_port[0]}:{host_port[1]}",
               file=sys.stderr, flush=True)
         died = _supervise(procs, stop)
     finally:
         sock.close()
-        _stop_all(procs)
+        # A dead core: the API servers end their streams with its cause and exit by themselves
+        # (a SIGTERM now would end them with "shutting down" instead).
+        stop_all(procs, _SELF_EXIT_S if died is not None and died[0] == "engine core" else 0)
         for s, handler in old.items():
             signal.signal(s, handler)
         shutil.rmtree(directory, ignore_errors=True)
     if died is None:
         return 0
     name, code = died
-    print(f"photon serve: the {name} exited (exit code {code}); stopping", file=sys.stderr)
+    cause = exit_cause(code) if name == "engine core" else f"the {name} exited (exit code {code})"
+    print(f"photon serve: exiting: {cause}", file=sys.stderr)
     return 1
 
 
-def _start_api_server(spec: ApiServerSpec, env: dict[str, str]) -> subprocess.Popen:
+def start_api_server(spec: ApiServerSpec, env: dict[str, str]) -> subprocess.Popen:
+    """One API server process (photon.server.api_server), which inherits `spec.fd`."""
     proc = subprocess.Popen([sys.executable, "-m", "photon.server.api_server"],
                             stdin=subprocess.PIPE, pass_fds=(spec.fd,), env=env)
     proc.stdin.write(pickle.dumps(spec))
@@ -100,11 +117,15 @@ def _supervise(procs: dict[str, subprocess.Popen], stop: dict[str, bool]
     return None
 
 
-def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
-    """API servers first (they finish their responses), then the core; then whatever is
-    left is killed. Every process is reaped."""
+def stop_all(procs: dict[str, subprocess.Popen], self_exit_s: float = 0) -> None:
+    """API servers first (they finish their responses; given `self_exit_s` to exit before
+    they are told to), then the core; then whatever is left is killed. Every process is
+    reaped."""
     core = procs.get("engine core")
     servers = [p for name, p in procs.items() if p is not core]
+    deadline = time.monotonic() + self_exit_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in servers):
+        time.sleep(_POLL_S)
     for group in (servers, [core] if core is not None else []):
         for proc in group:
             if proc.poll() is None:

@@ -51,6 +51,9 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     tool_call_parser: str | None = None  # a name in photon.server.tool_parsers
     chat_template: str | None = None  # --chat-template (its text); None: the model's own
+    # The admission count every API server of a deployment shares (`SharedCount`'s file);
+    # None: one server, its own count.
+    shared_admission: str | None = None
 
 
 class Run:
@@ -109,7 +112,7 @@ class Serving:
         self.core = engine.frontend  # read-only: config, tokenizer, edge checks, grammar compiles
         self.config = config
         self.admission = Admission(self.core.config.scheduler.max_num_seqs,
-                                   config.max_queued_requests)
+                                   config.max_queued_requests, config.shared_admission)
         self.text = PromptTokenizer(self.core.tokenizer, config.max_model_len)
 
     # ---- checks -------------------------------------------------------------------------------
