@@ -12,41 +12,21 @@ because the corpus is that version's standard library.
 
 from __future__ import annotations
 
-import glob
-import os
 import sys
-import sysconfig
-from collections.abc import Iterator
 
-from photon.model.tiny import build_tokenizer, ensure_generated, tokenizer_config, write_json
+from photon.model.tiny import build_tokenizer, ensure_generated, write_tokenizer_files
+from photon.train.corpus import stdlib_texts
 
 TARGET_VOCAB = 151_643
 _FILES = ("tokenizer.json", "tokenizer_config.json")
-_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
 def _dir_name() -> str:
     return f"photon-bench-bpe-v1-py{sys.version_info.major}{sys.version_info.minor}"
 
 
-def stdlib_texts() -> Iterator[str]:
-    """The standard library's .py sources in path order (third-party packages excluded)."""
-    root = sysconfig.get_paths()["stdlib"]
-    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
-        if "site-packages" in path or "dist-packages" in path:
-            continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                yield f.read()
-        except (OSError, UnicodeDecodeError):
-            continue
-
-
 def write_bench_tokenizer(out_dir: str) -> None:
-    tok = build_tokenizer(TARGET_VOCAB, stdlib_texts())
-    tok.save(os.path.join(out_dir, "tokenizer.json"), pretty=False)
-    write_json(out_dir, "tokenizer_config.json",
-                tokenizer_config({t: tok.token_to_id(t) for t in _SPECIALS}))
+    write_tokenizer_files(build_tokenizer(TARGET_VOCAB, stdlib_texts()), out_dir)
 
 
 def ensure_bench_tokenizer(cache_dir: str | None = None) -> str:

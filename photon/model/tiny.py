@@ -195,8 +195,7 @@ def write_photon_tiny(out_dir: str) -> None:
     from safetensors.torch import save_file
 
     tokenizer = build_tokenizer()
-    tokenizer.save(os.path.join(out_dir, "tokenizer.json"), pretty=False)
-    special = {tok: tokenizer.token_to_id(tok) for tok in _SPECIAL_TOKENS}
+    special = write_tokenizer_files(tokenizer, out_dir)
     vocab_size = _round_up(tokenizer.get_vocab_size(with_added_tokens=True), 64)
     config = _hf_config(vocab_size, special)
     write_json(out_dir, "config.json", config)
@@ -205,7 +204,6 @@ def write_photon_tiny(out_dir: str) -> None:
         "eos_token_id": [special["<|im_end|>"], special["<|endoftext|>"]],
         "do_sample": False,
     })
-    write_json(out_dir, "tokenizer_config.json", tokenizer_config(special))
     save_file(random_weights(config), os.path.join(out_dir, "model.safetensors"),
               metadata={"format": "pt"})
     with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
@@ -245,6 +243,15 @@ def _hf_config(vocab_size: int, special: dict[str, int]) -> dict[str, Any]:
         "pad_token_id": special["<|endoftext|>"],
         _MARKER: True,
     }
+
+
+def write_tokenizer_files(tokenizer: Any, out_dir: str) -> dict[str, int]:
+    """Write tokenizer.json and tokenizer_config.json (ChatML template); returns the special
+    tokens' ids."""
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"), pretty=False)
+    special = {tok: tokenizer.token_to_id(tok) for tok in _SPECIAL_TOKENS}
+    write_json(out_dir, "tokenizer_config.json", tokenizer_config(special))
+    return special
 
 
 def tokenizer_config(special: dict[str, int]) -> dict[str, Any]:
