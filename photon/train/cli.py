@@ -104,7 +104,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     m = prepare(args.out, args.vocab_size, args.stdlib)
     print(f"prepared {args.out} in {time.perf_counter() - t0:.1f}s: {m.num_files} files "
           f"({m.num_heldout_files} held out), {m.corpus_bytes:,} bytes, vocabulary "
-          f"{m.vocab_size}, {m.train_tokens:,} train / {m.heldout_tokens:,} held-out tokens")
+          f"{m.vocab_size}, {m.train_tokens:,} train / {m.heldout_tokens:,} held-out tokens", flush=True)
     return 0
 
 
