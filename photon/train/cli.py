@@ -21,8 +21,8 @@ class Pair:
 
 
 # `all --pair`: the presets and default time budgets (seconds of training per model).
-PAIRS = {"tiny": Pair("tiny", "draft", 170.0, 70.0),
-         "bench": Pair("bench", "bench-draft", 250.0, 70.0)}
+PAIRS = {"tiny": Pair("tiny", "draft", 160.0, 60.0),
+         "bench": Pair("bench", "bench-draft", 240.0, 80.0)}
 
 
 def _add_prepare_args(p: argparse.ArgumentParser) -> None:
