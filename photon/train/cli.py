@@ -21,8 +21,8 @@ class Pair:
 
 
 # `all --pair`: the presets and default time budgets (seconds of training per model).
-PAIRS = {"tiny": Pair("tiny", "draft", 170.0, 70.0),
-         "bench": Pair("bench", "bench-draft", 250.0, 70.0)}
+PAIRS = {"tiny": Pair("tiny", "draft", 160.0, 60.0),
+         "bench": Pair("bench", "bench-draft", 240.0, 80.0)}
 
 
 def _add_prepare_args(p: argparse.ArgumentParser) -> None:
@@ -104,7 +104,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     m = prepare(args.out, args.vocab_size, args.stdlib)
     print(f"prepared {args.out} in {time.perf_counter() - t0:.1f}s: {m.num_files} files "
           f"({m.num_heldout_files} held out), {m.corpus_bytes:,} bytes, vocabulary "
-          f"{m.vocab_size}, {m.train_tokens:,} train / {m.heldout_tokens:,} held-out tokens")
+          f"{m.vocab_size}, {m.train_tokens:,} train / {m.heldout_tokens:,} held-out tokens", flush=True)
     return 0
 
 

@@ -16,6 +16,10 @@ from photon.train.presets import Preset, qwen3_config
 from photon.train.tokenizer import HELDOUT_FILE, TRAIN_FILE, Manifest, load_stream
 
 
+def log_line(text: str) -> None:
+    print(text, flush=True)  # flushed: training logs are followed live, often through a pipe
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -42,9 +46,10 @@ class FitOutcome:
 
 def fit(data_dir: str, preset: Preset, settings: FitSettings, out_dir: str,
         device: torch.device, max_eval_windows: int | None = None,
-        log: Callable[[str], None] = print) -> FitOutcome:
+        log: Callable[[str], None] | None = None) -> FitOutcome:
     import transformers
 
+    log = log or log_line
     manifest = Manifest.read(data_dir)
     model = build_model(preset, manifest, settings.seed).to(device)
     params = sum(p.numel() for p in model.parameters())

@@ -42,7 +42,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            num_kv_heads=1, head_dim=64, intermediate_size=384, seq_len=512, batch_size=128,
            lr=3e-3, warmup_steps=100),
     Preset("bench", "photon-bench", hidden_size=1024, num_layers=24, num_heads=16,
-           num_kv_heads=8, head_dim=64, intermediate_size=3072, seq_len=512, batch_size=128,
+           num_kv_heads=8, head_dim=64, intermediate_size=3072, seq_len=512, batch_size=64,
            lr=6e-4, warmup_steps=100),
     Preset("bench-draft", "photon-bench-draft", hidden_size=512, num_layers=6, num_heads=8,
            num_kv_heads=4, head_dim=64, intermediate_size=1536, seq_len=512, batch_size=128,
