@@ -21,7 +21,7 @@ class Pair:
 
 
 # `all --pair`: the presets and default time budgets (seconds of training per model).
-PAIRS = {"tiny": Pair("tiny", "draft", 160.0, 60.0),
+PAIRS = {"tiny": Pair("tiny", "draft", 60.0, 60.0),
          "bench": Pair("bench", "bench-draft", 240.0, 80.0)}
 
 
