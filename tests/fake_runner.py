@@ -130,13 +130,13 @@ class FakeRunner:
     def sync(self, handle: Handle) -> None:
         self.log.append(("sync", handle.plan.step))
 
-    def wait(self, handle: Handle) -> list[CommittedToken | None]:
+    def wait(self, handle: Handle) -> list[list[CommittedToken]]:
         self.log.append(("wait", handle.plan.step))
         assert not handle.done and self.launched[0] is handle, "steps are waited in order"
         self.launched.pop(0)
         handle.done = True
         sampled = iter(handle.sampled)
-        return [CommittedToken(next(sampled)) if r.sample else None for r in handle.plan.rows]
+        return [[CommittedToken(next(sampled))] if r.sample else [] for r in handle.plan.rows]
 
     def sampled_ids(self, handle: Handle) -> np.ndarray:
         return np.array(handle.sampled, dtype=np.int64)
@@ -181,7 +181,7 @@ class Harness:
         sched, kv, log = self.sched, self.kv, self.log
         commit, free, preempt = sched.commit, kv.free, sched.preempt
 
-        def logged_commit(step: SchedulerOutput, tokens: list[CommittedToken | None],
+        def logged_commit(step: SchedulerOutput, tokens: list[list[CommittedToken]],
                           ended: frozenset[int] = frozenset()) -> list[Request]:
             for row, req in zip(step.plan.rows, step.requests):
                 if row.sample and req.finished:

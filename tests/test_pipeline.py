@@ -54,7 +54,7 @@ class Audit:
             orig_add(req)
             self.by_key[req.key] = req
 
-        def commit(step: SchedulerOutput, tokens: list[CommittedToken | None],
+        def commit(step: SchedulerOutput, tokens: list[list[CommittedToken]],
                    ended: frozenset[int] = frozenset()) -> list[Request]:
             self.zombie_rows += sum(r.sample and q.finished
                                     for r, q in zip(step.plan.rows, step.requests))

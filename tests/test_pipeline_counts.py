@@ -42,7 +42,7 @@ class CountLog:
             self.phases[-1].append(("plan", before, self.counts()))
             return out
 
-        def commit(step: SchedulerOutput, tokens: list[CommittedToken | None],
+        def commit(step: SchedulerOutput, tokens: list[list[CommittedToken]],
                    ended: frozenset[int] = frozenset()) -> list[Request]:
             before = self.counts()
             touched = orig_commit(step, tokens, ended)

@@ -146,9 +146,10 @@ def test_step_plan_round_trips_through_msgpack() -> None:
 
 
 def test_step_results_round_trip_through_msgpack() -> None:
-    tokens = [CommittedToken(5), None,
-              CommittedToken(7, logprob=-0.25, rank=2, top_ids=[3, 7], top_logprobs=[-0.5, -0.25])]
-    assert _roundtrip(tokens, list[CommittedToken | None]) == tokens
+    tokens = [[CommittedToken(5)], [],
+              [CommittedToken(7, logprob=-0.25, rank=2, top_ids=[3, 7], top_logprobs=[-0.5, -0.25]),
+               CommittedToken(8)]]
+    assert _roundtrip(tokens, list[list[CommittedToken]]) == tokens
     scores = [PromptScores(3, 1, [-1.5, -0.125], [4, 1], [[9], [2]], [[-0.5], [-0.125]]),
               PromptScores(0, 0, [-2.0], [7], [[]], [[]])]
     assert _roundtrip(scores, list[PromptScores]) == scores

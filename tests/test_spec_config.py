@@ -107,11 +107,20 @@ def test_cli_flag_reaches_the_engine_config_check() -> None:
     check_supported(_cli()._build_config())  # no speculation: accepted
 
 
-def test_the_engine_refuses_speculation_in_one_place() -> None:
+def test_the_engine_refuses_unsupported_speculation_in_one_place() -> None:
+    config = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 3}
+                        ).create_config()
+    assert config.speculative_config == SpeculativeConfig("ngram", 3, None, 5, 5)
     with pytest.raises(ConfigError, match=re.escape(
-            "speculative_config (--speculative-config): speculative decoding is not available")):
-        EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 3}
-                   ).create_config()
+            "speculative_config (--speculative-config): method 'draft_model' is not available "
+            "in this version of photon; supported: method \"ngram\"")):
+        EngineArgs(speculative_config={"method": "draft_model", "model": "x",
+                                       "num_speculative_tokens": 3}).create_config()
+    with pytest.raises(ConfigError, match=re.escape(
+            "num_speculative_tokens=5 needs max_num_batched_tokens (--max-num-batched-tokens) "
+            ">= 6")):
+        EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 5},
+                   max_num_batched_tokens=4, max_model_len=4).create_config()
     with pytest.raises(ConfigError, match="num_speculative_tokens must be an integer"):
         EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 99}
                    ).create_config()

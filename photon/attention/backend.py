@@ -23,7 +23,10 @@ class AttentionMetadata:
     """One step's batch layout. Sequences are laid out back to back in token order.
 
     Device tensors are what kernels read. The `*_host` mirrors carry the same values as Python ints
-    so that host-side code never reads a device tensor (that would be a hidden sync).
+    so that host-side code never reads a device tensor (that would be a hidden sync). In steps with
+    speculative rows (`seq_lens_exact` False) the device resolves those rows' seq_lens: their
+    host values are upper bounds, and kernels must read `seq_lens` (bounding loops with the host
+    values only).
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
@@ -33,6 +36,7 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     query_lens_host: list[int]
     decode_only: bool  # every sequence has exactly one query token
+    seq_lens_exact: bool = True  # seq_lens_host equals seq_lens (else: upper bounds)
 
     @property
     def num_seqs(self) -> int:

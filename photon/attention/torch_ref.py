@@ -44,10 +44,14 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
 
 def varlen_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                      scale: float) -> torch.Tensor:
-    """Per-sequence causal attention over the paged cache, using only host ints for control flow."""
+    """Per-sequence causal attention over the paged cache, using only host ints for control flow.
+    Device-resolved lengths (speculative rows) are read from `seq_lens`: free for CPU tensors, a
+    sync on CUDA (this is the reference backend)."""
     out = torch.empty_like(q)
     start = 0
-    for i, (q_len, seq_len) in enumerate(zip(metadata.query_lens_host, metadata.seq_lens_host, strict=True)):
+    seq_lens = (metadata.seq_lens_host if metadata.seq_lens_exact
+                else metadata.seq_lens.tolist())
+    for i, (q_len, seq_len) in enumerate(zip(metadata.query_lens_host, seq_lens, strict=True)):
         if q_len > 0:
             out[start:start + q_len] = _sequence_attention(
                 q[start:start + q_len], kv_cache, metadata.block_tables[i], seq_len, scale)

@@ -31,7 +31,7 @@ class StepInputs(Generic[T]):
     query_start_loc: T  # [rows + 1]
     block_tables: T  # [rows, width], staged flat
     logits_indices: T  # the hidden state each sampling row samples from
-    # Per sampling row (the rows that sample, in row order).
+    # Per sampling row (the rows that sample, in row order; a speculative row has K + 1).
     top_k: T
     keys: T
     counters: T  # output index of the token sampled: the RNG counter
@@ -46,6 +46,15 @@ class StepInputs(Generic[T]):
     # Prompt logprobs: hidden-state index and prompt token of every prompt token scored.
     plp_idx: T
     plp_tokens: T
+    # Speculative rows (photon.core.step.ScheduledRow.spec): their row in the step, request index
+    # and first sampling row (a speculative row samples K + 1 consecutive sampling rows, one per
+    # query position); the launch resolves their positions from the device's known lengths.
+    spec_rows: T
+    spec_reqs: T
+    spec_vrows: T
+    # Request indices of the speculative requests that sample this step: the runner proposes
+    # their next drafts after sampling.
+    propose_reqs: T
     # float32, per sampling row.
     temperature: T
     top_p: T

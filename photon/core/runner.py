@@ -49,11 +49,13 @@ class StepRunner(Protocol):
     def sync(self, handle: Any) -> None:
         """Block until the step's tokens are on the host."""
 
-    def wait(self, handle: Any) -> list[CommittedToken | None]:
-        """sync, then one entry per planned row (None for rows that do not sample)."""
+    def wait(self, handle: Any) -> list[list[CommittedToken]]:
+        """sync, then the committed tokens of each planned row: none for rows that do not
+        sample, one for plain sampling rows, 1 to K + 1 for speculative rows."""
 
     def sampled_ids(self, handle: Any) -> np.ndarray:
-        """The step's sampled token ids in sampling order (after `wait`)."""
+        """The first token of each sampling row, in sampling order (after `wait`): the token of
+        plain rows (grammar rows are plain)."""
 
     def prompt_scores(self, handle: Any) -> list[PromptScores]:
         """The step's prompt logprobs (after `wait`)."""

@@ -29,11 +29,22 @@ class NewRequest:
     token_ids: list[int]
     sampling: PackedSampling
     prompt_logprobs: int = -1  # top-k of the prompt logprobs still to collect; -1: none
+    # Speculative requests: after each of its sampling rows the runner proposes this many draft
+    # tokens into the pool (0: a plain request).
+    spec: int = 0
 
 
 @dataclass(slots=True)
 class ScheduledRow:
-    """One request's slice of a step: positions [start, start + num_tokens)."""
+    """One request's slice of a step: positions [start, start + num_tokens).
+
+    A speculative row (spec = K > 0) verifies K draft tokens: it queries K + 1 positions, the
+    request's last known token and the K drafts the runner proposed after its previous sampling
+    row. Their positions are resolved on the device from the request's known length there (the
+    host plans before the previous step's accepted counts exist): `start` is only the host's upper
+    bound of the first query position, so `seq_len` bounds the row's context, and `out_index` is a
+    lower bound of the first token's output index. The row commits 1 to K + 1 tokens.
+    """
 
     req_index: int
     start: int
@@ -41,6 +52,7 @@ class ScheduledRow:
     sample: bool  # the row reaches the request's known length: sample its next token
     out_index: int  # output index of the sampled token (the counter of the RNG)
     block_ids: list[int]  # the request's blocks (in process: the KV manager's list, read-only)
+    spec: int = 0  # K: the draft positions this row verifies; 0: a plain row
 
     @property
     def seq_len(self) -> int:

@@ -89,8 +89,11 @@ class EngineCore:
         self.runner = ModelRunner(config, masks=self.grammar, on_fault=self._fail_request)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
+        spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler, self.kv,
-                                   TokenTexts(self.tokenizer) if detokenize else None)
+                                   TokenTexts(self.tokenizer) if detokenize else None,
+                                   spec_k=spec.k if spec is not None else 0,
+                                   max_model_len=config.model.max_model_len)
         self.pipeline = Pipeline(self.scheduler, self.runner, self.grammar,
                                  config.pipeline_depth)
         self._rng = random.Random(config.model.seed)

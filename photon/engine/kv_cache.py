@@ -234,6 +234,23 @@ class KVCacheManager:
         return entry.tokens == tokens and entry.parent_hash == parent
 
     # ------------------------------------------------------------------ release
+    def shrink(self, request_id: Hashable, num_tokens: int) -> None:
+        """Return the request's blocks past ceil(num_tokens / block_size) (space reserved ahead
+        and not needed); published blocks are never returned. Unknown id: no-op."""
+        blocks = self._req_blocks.get(request_id)
+        if blocks is None:
+            return
+        keep = max(self.num_blocks_needed(num_tokens), self._req_publish[request_id].num_blocks)
+        while len(blocks) > keep:
+            self._release_block(blocks.pop())
+
+    def _release_block(self, b: int) -> None:
+        self._ref[b] -= 1
+        if self._ref[b] == 0:
+            self._free[b] = None
+            if b in self._cached:
+                self._num_cached_free += 1
+
     def free(self, request_id: Hashable) -> None:
         """Drop the request's references. Unknown id: no-op."""
         blocks = self._req_blocks.pop(request_id, None)
@@ -243,11 +260,7 @@ class KVCacheManager:
         # Reverse order: the request's tail blocks (least likely to be shared) go nearer the
         # head of the free list, so they are evicted before its prefix blocks.
         for b in reversed(blocks):
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                self._free[b] = None
-                if b in self._cached:
-                    self._num_cached_free += 1
+            self._release_block(b)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use."""

@@ -61,6 +61,15 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_pending: int = 0
+    # Speculative decoding: K draft tokens per step (0: plain), fixed at admission. A sampling
+    # row in flight adds 1 (plain) to K + 1 (speculative) tokens: num_pending counts the rows,
+    # num_pending_max the most tokens they add (the committed length plus it bounds the length
+    # on the device).
+    spec_k: int = 0
+    num_pending_max: int = 0
+    # A sampling row was planned since the request entered the runner's table: the device knows
+    # its length, so its next rows can be speculative.
+    spec_live: bool = False
     inflight_refs: int = 0
     finished: bool = False  # output is final and reported; resources wait for inflight_refs == 0
     # Its index in the runner's request table while it holds one (admitted, not yet released).

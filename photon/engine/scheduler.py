@@ -2,10 +2,17 @@
 
 plan() builds the next step's batch assuming every running request continues (its newest token may
 still be on the device: a placeholder the model runner reads from the token pool). commit() applies
-one step's sampled tokens: appends them, runs stop checks, finishes requests that stopped, and drops
+one step's committed tokens: appends them, runs stop checks, finishes requests that stopped, and drops
 the step's in-flight references, releasing what finished or preempted requests hold (KV blocks,
 their request index) once they reach zero. Admitted requests get a request index; the plan tells
 the runner which indices enter and leave its table (photon.core.step).
+
+Speculative requests (`spec_k` K > 0, fixed at `add`) decode with speculative rows
+(photon.core.step.ScheduledRow): a row adds 1 to K + 1 tokens, known only at its commit. For them
+`num_computed_tokens` is a lower bound (each speculative row counts its one certain position;
+commit adds the accepted drafts), `num_pending_max` bounds what the rows in flight add, and KV
+blocks are reserved for the upper bound (committed + num_pending_max + K, capped at
+max_model_len); commit returns the blocks past the new bound.
 """
 
 from __future__ import annotations
@@ -39,10 +46,20 @@ class SchedulerOutput:
     admitted: list[Request] = field(default_factory=list)  # plan.new_requests[i] is admitted[i]
 
 
+def speculates(req: Request) -> bool:
+    """Whether a request may speculate (when the engine does). Plain rows instead: requests with
+    a grammar (structured outputs) and requests under min_tokens (its stop-token bans depend on
+    the output index, which the host does not know for a speculative row)."""
+    return req.grammar is None and req.params.min_tokens == 0
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 token_text: TokenText | None = None) -> None:
+                 token_text: TokenText | None = None, spec_k: int = 0,
+                 max_model_len: int = 1 << 30) -> None:
         self.config = config
+        self.spec_k = spec_k  # num_speculative_tokens of speculative requests; 0: none
+        self.max_model_len = max_model_len
         self.token_text = token_text  # a token's text, for logprob entries (None: no text)
         self.kv = kv
         size = request_table_size(config.max_num_seqs)
@@ -61,6 +78,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         request.key = self._next_key
         self._next_key += 1
+        request.spec_k = self.spec_k if speculates(request) else 0
         self.requests[request.key] = request
         if request.grammar is not None:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
@@ -134,8 +152,11 @@ class Scheduler:
             if req.status is not running or n_out >= req.max_tokens:
                 continue  # preempted this step, or every output already sampled
             known = len(req.prompt_token_ids) + n_out
+            if req.spec_live and req.spec_k:
+                budget -= self._plan_spec_row(req, budget, out)
+                continue
             num_new = min(known - req.num_computed_tokens, budget)
-            if num_new > 0 and self._reserve(req, num_new):
+            if num_new > 0 and self._reserve(req, req.num_computed_tokens + num_new):
                 self._add_row(req, num_new, out)
                 budget -= num_new
         self._admit_waiting(budget, out)
@@ -144,11 +165,35 @@ class Scheduler:
             self.num_steps += 1
         return out
 
-    def _reserve(self, req: Request, num_new: int) -> bool:
-        """KV blocks for the row, preempting lower-priority requests if needed. Without a later
-        request to preempt, `req` waits for blocks a victim still returns (its in-flight step
-        commits) rather than preempting itself."""
-        while not self.kv.allocate(req.key, req.num_computed_tokens + num_new):
+    def _plan_spec_row(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        """A speculative row for `req` if the budget and the KV cache allow; the tokens it uses."""
+        k = req.spec_k
+        if budget < k + 1:
+            return 0  # the next step (the engine refuses a budget below K + 1)
+        bound = req.num_committed_tokens + req.num_pending_max  # the length on the device, at most
+        if not self._reserve(req, self._spec_reserve(req, bound)):
+            return 0
+        out.plan.rows.append(ScheduledRow(req.req_index, bound - 1, k + 1, True,
+                                          req.num_planned_outputs, self.kv.block_table(req.key),
+                                          spec=k))
+        out.requests.append(req)
+        out.plan.num_tokens += k + 1
+        req.num_computed_tokens += 1  # the last known token's position; drafts count at commit
+        req.num_pending += 1
+        req.num_pending_max += k + 1
+        req.inflight_refs += 1
+        return k + 1
+
+    def _spec_reserve(self, req: Request, bound: int) -> int:
+        """KV positions a speculative row may write: up to its K-th draft, within max_model_len
+        (the device sends positions past the request's blocks to the null block)."""
+        return min(bound + req.spec_k, self.max_model_len)
+
+    def _reserve(self, req: Request, num_tokens: int) -> bool:
+        """KV blocks for the row (`num_tokens` positions in all), preempting lower-priority
+        requests if needed. Without a later request to preempt, `req` waits for blocks a victim
+        still returns (its in-flight step commits) rather than preempting itself."""
+        while not self.kv.allocate(req.key, num_tokens):
             victim = self._pick_victim(req)
             if victim is req and self._blocks_in_transit():
                 return False
@@ -186,6 +231,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            req.spec_live = False  # a new table entry: its length is not on the device yet
             self._take_index(req, out)
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
@@ -203,7 +249,7 @@ class Scheduler:
         k = req.params.prompt_logprobs
         out.plan.new_requests.append(NewRequest(
             i, req.all_token_ids, req.sampling,
-            -1 if k is None or req.prompt_logprobs_done else k))
+            -1 if k is None or req.prompt_logprobs_done else k, req.spec_k))
         out.admitted.append(req)
 
     def _add_row(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
@@ -216,6 +262,8 @@ class Scheduler:
         out.plan.num_tokens += num_new
         req.num_computed_tokens += num_new
         req.num_pending += int(sample)
+        req.num_pending_max += int(sample)
+        req.spec_live = req.spec_live or sample
         req.inflight_refs += 1  # the launch reference, dropped by commit()
 
     def preempt(self, req: Request) -> None:
@@ -229,26 +277,46 @@ class Scheduler:
         self._maybe_release(req)
 
     # ---- commit -------------------------------------------------------------------------------
-    def commit(self, step: SchedulerOutput, tokens: list[CommittedToken | None],
+    def commit(self, step: SchedulerOutput, tokens: list[list[CommittedToken]],
                grammar_ended: frozenset[int] = frozenset()) -> list[Request]:
-        """Apply one step's results (`grammar_ended`: request indices whose grammar took its stop
-        token); return the requests that got a token or were finished."""
+        """Apply one step's results: per row its committed tokens (`grammar_ended`: request
+        indices whose grammar took its stop token); return the requests that got a token or were
+        finished."""
         touched: list[Request] = []
-        for row, req, tok in zip(step.plan.rows, step.requests, tokens):
+        for row, req, toks in zip(step.plan.rows, step.requests, tokens):
             if row.sample:
                 req.num_pending -= 1
-                if not req.finished and tok is not None:
-                    self._append(req, tok, row.req_index in grammar_ended)
+                req.num_pending_max -= row.spec + 1
+                if not req.finished and toks:
+                    self._append_all(req, row, toks, row.req_index in grammar_ended)
                     touched.append(req)
             req.inflight_refs -= 1
             if req.status is RequestStatus.RUNNING:
-                known = min(req.num_computed_tokens,
-                            len(req.prompt_token_ids) + len(req.output_token_ids))
-                if self.kv.needs_publish(req.key, known):
-                    self.kv.cache_blocks(req.key, req.all_token_ids, known)
+                self._after_commit(req)
             elif req.inflight_refs == 0:
                 self._maybe_release(req)  # only preempted or finished requests release
         return touched
+
+    def _append_all(self, req: Request, row: ScheduledRow, toks: list[CommittedToken],
+                    grammar_ended: bool) -> None:
+        """Append a row's tokens one by one with the stop checks; those after a stop are
+        dropped. A speculative row's accepted drafts had their K/V computed by it."""
+        if row.spec and req.status is RequestStatus.RUNNING:
+            req.num_computed_tokens += len(toks) - 1
+        for tok in toks:
+            self._append(req, tok, grammar_ended)
+            if req.finished:
+                break
+
+    def _after_commit(self, req: Request) -> None:
+        """Publish the committed, computed blocks; return the KV reserved past the new bound."""
+        committed = req.num_committed_tokens
+        known = min(req.num_computed_tokens, committed)
+        if self.kv.needs_publish(req.key, known):
+            self.kv.cache_blocks(req.key, req.all_token_ids, known)
+        if req.spec_k and req.spec_live:
+            bound = self._spec_reserve(req, committed + req.num_pending_max)
+            self.kv.shrink(req.key, max(bound, req.num_computed_tokens))
 
     def add_prompt_logprobs(self, scores: list[PromptScores]) -> None:
         """Append a step's prompt logprobs; tokens already collected (scored again by the

@@ -20,10 +20,20 @@ if TYPE_CHECKING:
 def check_supported(config: EngineConfig) -> None:
     """Refuse an engine configuration the engine cannot run (ConfigError): the one place that
     decides which speculative configurations the engine accepts."""
-    if config.speculative_config is not None:
+    spec = config.speculative_config
+    if spec is None:
+        return
+    if spec.method != "ngram":
         raise ConfigError(
-            "speculative_config (--speculative-config): speculative decoding is not available "
-            "in this version of photon; start the engine without speculative_config")
+            f"speculative_config (--speculative-config): method {spec.method!r} is not "
+            f"available in this version of photon; supported: method \"ngram\" (prompt "
+            f"lookup), e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": 3}}'")
+    budget = config.scheduler.max_num_batched_tokens
+    if budget < spec.k + 1:
+        raise ConfigError(
+            f"speculative_config (--speculative-config): num_speculative_tokens={spec.k} needs "
+            f"max_num_batched_tokens (--max-num-batched-tokens) >= {spec.k + 1} (a speculative "
+            f"row scores K + 1 positions), got {budget}")
 
 
 __all__ = ["check_supported"]

@@ -20,7 +20,8 @@ _NONE = np.zeros(0, dtype=I64)  # a decode row never scores a prompt token
 
 def build_decode_inputs(rows: list[ScheduledRow], table: RequestTable, block_size: int,
                         pool_width: int) -> HostStep:
-    """Every row has one query token and samples (callers check `is_plain_decode` first).
+    """Every row has one query token and samples (callers check `is_plain_decode` first; a
+    speculative request's first sampling row may be one: the runner proposes after it).
     `table.sync_blocks(rows)` must have run."""
     n = len(rows)
     req = np.fromiter((r.req_index for r in rows), dtype=I64, count=n)
@@ -39,7 +40,8 @@ def build_decode_inputs(rows: list[ScheduledRow], table: RequestTable, block_siz
     inputs = StepInputs(
         start, req * pool_width + start, slots, write_idx, write_ids, seq_lens, steps, tables,
         steps[:n], g.top_k, g.keys, counters, req, g.prompt_lens, seq_lens, sample_pool_idx,
-        ban_rows, ban_tokens, bias_rows, bias_tokens, _NONE, _NONE, *g.floats, bias_values)
+        ban_rows, ban_tokens, bias_rows, bias_tokens, _NONE, _NONE, _NONE, _NONE, _NONE,
+        req[table.spec[req] > 0], *g.floats, bias_values)
     # the sampler writes token seq_len into the pool
     return HostStep(inputs, seq_lens.tolist(), [1] * n, True, list(range(n)), g.flags,
                     (req, seq_lens + 1))
@@ -59,4 +61,4 @@ def _pool_writes(req: np.ndarray, seq_lens: np.ndarray, table: RequestTable, poo
 
 
 def is_plain_decode(rows: list[ScheduledRow]) -> bool:
-    return all(r.num_tokens == 1 and r.sample for r in rows)
+    return all(r.num_tokens == 1 and r.sample and not r.spec for r in rows)

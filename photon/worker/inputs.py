@@ -45,6 +45,15 @@ class HostStep:
     # sampled token once the step samples.
     pool_valid: tuple[np.ndarray, np.ndarray]
     prompt_spans: list[PromptSpan] = field(default_factory=list)  # in plp_idx order
+    # Sampling rows of each row that samples (sample_rows order): 1, or K + 1 for a speculative
+    # row; None: 1 each (no speculative row).
+    widths: list[int] | None = None
+
+    @property
+    def num_virtual(self) -> int:
+        """Sampling rows in all: the sampler's batch (one per query position of speculative
+        rows)."""
+        return len(self.sample_rows) if self.widths is None else sum(self.widths)
 
     @property
     def prompt_k(self) -> int:
@@ -69,6 +78,12 @@ def _token_arrays(rows: list[ScheduledRow], table: RequestTable, block_size: int
     for row in rows:
         base = row.req_index * pool_width
         start, end = row.start, row.seq_len
+        if row.spec:  # resolved on the device at launch; every token is in the pool
+            n = row.num_tokens
+            positions.extend([0] * n)
+            pool_idx.extend([base] * n)
+            slots.extend([0] * n)
+            continue
         if end - start == 1:
             positions.append(start)
             pool_idx.append(base + start)
@@ -86,8 +101,11 @@ def _token_arrays(rows: list[ScheduledRow], table: RequestTable, block_size: int
     return i64(positions), i64(pool_idx), i64(slots), i64(write_idx), i64(write_ids)
 
 
-def _block_tables(rows: list[ScheduledRow]) -> np.ndarray:
-    width = max(len(r.block_ids) for r in rows)
+def _block_tables(rows: list[ScheduledRow], block_size: int) -> np.ndarray:
+    """Zero-padded (the null block): a speculative row's table spans its host bound of seq_len,
+    so the device finds every position it may resolve in it."""
+    width = max(max(len(r.block_ids), -(-r.seq_len // block_size) if r.spec else 0)
+                for r in rows)
     tables = np.zeros((len(rows), width), dtype=I64)
     for i, r in enumerate(rows):
         tables[i, : len(r.block_ids)] = r.block_ids
@@ -118,29 +136,70 @@ def prompt_logprob_arrays(rows: list[ScheduledRow], table: RequestTable, query_s
     return i64(idx), i64(tokens), spans
 
 
+@dataclass(slots=True)
+class _Sampling:
+    """The sampling rows of a step (a speculative row has K + 1, placeholders for the values
+    the launch resolves on the device)."""
+
+    rows: list[int]  # the rows that sample
+    widths: list[int]
+    req: np.ndarray
+    counters: np.ndarray
+    seq_lens: np.ndarray
+    logits_idx: np.ndarray
+    spec_rows: np.ndarray
+    spec_vrows: np.ndarray
+
+
+def _sampling(rows: list[ScheduledRow], qsl: np.ndarray) -> _Sampling:
+    sample = [i for i, r in enumerate(rows) if r.sample]
+    widths = [rows[i].spec + 1 for i in sample]
+    req: list[int] = []
+    counters: list[int] = []
+    seq_lens: list[int] = []
+    logits: list[int] = []
+    spec_rows: list[int] = []
+    spec_vrows: list[int] = []
+    for i, w in zip(sample, widths):
+        r = rows[i]
+        if r.spec:
+            spec_rows.append(i)
+            spec_vrows.append(len(req))
+        req.extend([r.req_index] * w)
+        counters.extend([r.out_index] * w)
+        seq_lens.extend([r.seq_len] * w)
+        end = int(qsl[i + 1])
+        logits.extend(range(end - w, end))
+    return _Sampling(sample, widths, i64(req), i64(counters), i64(seq_lens), i64(logits),
+                     i64(spec_rows), i64(spec_vrows))
+
+
 def build_step_inputs(rows: list[ScheduledRow], table: RequestTable, block_size: int,
                       pool_width: int) -> HostStep:
-    """Any mix of prefill chunks and decode rows."""
+    """Any mix of prefill chunks, decode rows and speculative rows."""
     positions, pool_idx, slots, write_idx, write_ids = _token_arrays(rows, table, block_size,
                                                                      pool_width)
     qlens = [r.num_tokens for r in rows]
     qsl = np.zeros(len(rows) + 1, dtype=I64)
     np.cumsum(i64(qlens), out=qsl[1:])
-    sample = [i for i, r in enumerate(rows) if r.sample]
-    srows = [rows[i] for i in sample]
-    req = i64([r.req_index for r in srows])
-    s_seq_lens = i64([r.seq_len for r in srows])
-    counters = i64([r.out_index for r in srows])
-    g = table.gather(req, counters)
+    smp = _sampling(rows, qsl)
+    req = smp.req
+    g = table.gather(req, smp.counters)
     ban_rows, ban_tokens = table.min_tokens_bans(req, g.below_min_tokens)
     bias_rows, bias_tokens, bias_values = table.logit_bias(req, g.biased)
     plp_idx, plp_tokens, spans = prompt_logprob_arrays(rows, table, qsl)
     seq_lens = [r.seq_len for r in rows]
+    sampled_req = i64([rows[i].req_index for i in smp.rows])
     inputs = StepInputs(
-        positions, pool_idx, slots, write_idx, write_ids, i64(seq_lens), qsl, _block_tables(rows),
-        qsl[1:][sample] - 1, g.top_k, g.keys, counters, req, g.prompt_lens, s_seq_lens,
-        req * pool_width + s_seq_lens, ban_rows, ban_tokens, bias_rows, bias_tokens, plp_idx,
-        plp_tokens, *g.floats, bias_values)
-    valid = i64([r.seq_len + int(r.sample) for r in rows])
-    return HostStep(inputs, seq_lens, qlens, all(q == 1 for q in qlens), sample, g.flags,
-                    (i64([r.req_index for r in rows]), valid), spans)
+        positions, pool_idx, slots, write_idx, write_ids, i64(seq_lens), qsl,
+        _block_tables(rows, block_size), smp.logits_idx, g.top_k, g.keys, smp.counters, req,
+        g.prompt_lens, smp.seq_lens, req * pool_width + smp.seq_lens, ban_rows, ban_tokens,
+        bias_rows, bias_tokens, plp_idx, plp_tokens, smp.spec_rows,
+        i64([rows[i].req_index for i in smp.spec_rows.tolist()]), smp.spec_vrows,
+        sampled_req[table.spec[sampled_req] > 0], *g.floats, bias_values)
+    # A speculative row leaves the pool's host-known part as it was (the device knows more).
+    valid = i64([int(table.pool_valid[r.req_index]) if r.spec else r.seq_len + int(r.sample)
+                 for r in rows])
+    return HostStep(inputs, seq_lens, qlens, all(q == 1 for q in qlens), smp.rows, g.flags,
+                    (i64([r.req_index for r in rows]), valid), spans,
+                    smp.widths if smp.spec_rows.size else None)

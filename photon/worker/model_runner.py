@@ -4,7 +4,8 @@ prepare(plan) -> apply the plan's table changes, build the step's inputs and sta
                  free slot's pinned buffers (host)
 launch(prep)  -> enqueue their H2D and the forward (returns a handle)
 sample(h)     -> sample on the compute stream (grammar masks from the MaskSource), write tokens
-                 into the device token pool, enqueue D2H
+                 into the device token pool, enqueue D2H (speculative rows: verify their drafts
+                 and propose the next ones; photon.worker.spec_step)
 sync(h)       -> the commit's host sync (the blocking loop calls it right after sample)
 wait(h)       -> sync, then the sampled tokens as Python values
 
@@ -47,6 +48,7 @@ from photon.worker.probe import StepMarks, StepProbe
 from photon.worker.request_table import RequestTable
 from photon.worker.sampler import Sampler, SamplingBatch, token_logprobs
 from photon.worker.slots import StepSlot, Streams
+from photon.worker.spec_step import SpecDecoder
 
 CPU_DEFAULT_KV_BYTES = 256 << 20
 # Prompt positions whose logits are computed at once for prompt logprobs: bounds the [N, V]
@@ -72,7 +74,7 @@ class StepHandle:
     dev: StepInputs[torch.Tensor]
     logits: torch.Tensor | None
     step: int
-    num_sampled: int = 0
+    num_sampled: int = 0  # rows that sample (grammar masks: one each)
     max_logprobs: int = -1
     marks: StepMarks | None = None  # set only while a StepProbe is attached (benchmarks)
 
@@ -111,8 +113,14 @@ class ModelRunner:
         # Backends cover at most the model's vocabulary: the widest masks a step can have.
         words = bitmask_width(mc.vocab_size)
         self.mask_views = MaskViews(words)
-        self.slots = [StepSlot(i, self.device, max_seqs, MAX_LOGPROBS, 8 * tokens + 16 * max_seqs,
-                               8 * max_seqs, mask_numel(max_seqs, words)) for i in range(2)]
+        spec = config.speculative_config
+        self.spec = None if spec is None else SpecDecoder(
+            spec, mc.max_model_len, num_rows, self.pool_width, self.block_size, self.device)
+        # Sampling rows: a speculative row samples K + 1.
+        sampling_rows = max_seqs * (1 + (spec.k if spec is not None else 0))
+        self.slots = [StepSlot(i, self.device, sampling_rows, MAX_LOGPROBS,
+                               8 * tokens + 16 * sampling_rows, 8 * sampling_rows,
+                               mask_numel(max_seqs, words)) for i in range(2)]
         self.sampler = Sampler(fused=config.model.use_triton)
         self.probe: StepProbe | None = None
         self.graphs: DecodeGraphs | None = None
@@ -217,6 +225,8 @@ class ModelRunner:
             self.probe.mark(marks, "fwd_start")
         if host.inputs.write_idx.size:
             self.token_pool.view(-1)[dev.write_idx] = dev.write_ids.to(torch.int32)
+        if host.widths is not None:
+            self.spec.resolve(dev, len(prep.rows))
         if prep.graph_key is not None:
             hidden = self.graphs.run(prep.graph_key, dev, len(prep.rows))
         else:
@@ -260,6 +270,7 @@ class ModelRunner:
             seq_lens_host=host.seq_lens,
             query_lens_host=host.query_lens,
             decode_only=host.decode_only,
+            seq_lens_exact=host.widths is None,
         )
         input_ids = self.token_pool.view(-1)[dev.pool_idx].long()
         ctx = ForwardContext(meta, self.kv_caches, self.backend)
@@ -280,6 +291,9 @@ class ModelRunner:
 
     def _sampling_batch(self, h: StepHandle) -> SamplingBatch:
         d, f = h.dev, h.host.flags
+        mask = self._token_bitmask(h)
+        if h.host.widths is not None:
+            mask = self.spec.expand_mask(mask, d, h.host.num_virtual)
         return SamplingBatch(
             temperature=d.temperature, top_k=d.top_k.to(torch.int32), top_p=d.top_p,
             min_p=d.min_p, keys=d.keys, counters=d.counters,
@@ -291,7 +305,7 @@ class ModelRunner:
             all_greedy=f.all_greedy, any_top_k=f.any_top_k, any_top_p=f.any_top_p,
             any_min_p=f.any_min_p, any_penalties=f.any_penalties,
             any_logit_bias=f.any_logit_bias, max_logprobs=f.max_logprobs,
-            token_bitmask=self._token_bitmask(h),
+            token_bitmask=mask,
         )
 
     @torch.inference_mode()
@@ -304,20 +318,30 @@ class ModelRunner:
             return
         if h.marks is not None:
             self.probe.mark(h.marks, "smp_start")
-        out = self.sampler(h.logits, self._sampling_batch(h), overwrite=True)
-        k = h.max_logprobs
-        views = h.slot.output_views(h.num_sampled, max(k, 0))
-        views.tokens.copy_(out.token_ids)
+        batch, k = self._sampling_batch(h), h.max_logprobs
+        if h.host.widths is None:
+            out = self.sampler(h.logits, batch, overwrite=True)
+            tokens, lps = out.token_ids, (out.logprobs, out.ranks, out.topk_ids,
+                                          out.topk_logprobs)
+        else:
+            tokens, raw = self.spec.sample(self.sampler, h.logits, batch, h.dev, self.token_pool)
+            lps = token_logprobs(raw, tokens.clamp(min=0), k) if raw is not None else None
+        rows = h.host.num_virtual
+        views = h.slot.output_views(rows, max(k, 0))
+        views.tokens.copy_(tokens)
         if k >= 0:
-            views.logprob.copy_(out.logprobs)
-            views.ranks.copy_(out.ranks)
+            views.logprob.copy_(lps[0])
+            views.ranks.copy_(lps[1])
             if k > 0:
-                views.topk_ids.copy_(out.topk_ids)
-                views.topk_lp.copy_(out.topk_logprobs)
-        self.token_pool.view(-1)[h.dev.sample_pool_idx] = out.token_ids.to(torch.int32)
+                views.topk_ids.copy_(lps[2])
+                views.topk_lp.copy_(lps[3])
+        if self.spec is not None:
+            self.spec.advance(tokens, h.dev, self.token_pool)
+        else:
+            self.token_pool.view(-1)[h.dev.sample_pool_idx] = tokens.to(torch.int32)
         if h.marks is not None:
             self.probe.mark(h.marks, "smp_end")
-        h.slot.download(self.streams, h.num_sampled, k)
+        h.slot.download(self.streams, rows, k)
 
     # ---- commit's wait -----------------------------------------------------------------------
     def sync(self, h: StepHandle) -> None:
@@ -329,30 +353,40 @@ class ModelRunner:
         else:
             h.slot.wait()
 
-    def wait(self, h: StepHandle) -> list[CommittedToken | None]:
-        """commit's wait: sync, then step `h`'s tokens (and logprobs, the step's most
-        alternatives) as Python values."""
-        result: list[CommittedToken | None] = [None] * len(h.rows)
+    def wait(self, h: StepHandle) -> list[list[CommittedToken]]:
+        """commit's wait: sync, then each row's committed tokens (and logprobs, the step's most
+        alternatives) as Python values: one per plain sampling row, 1 to K + 1 per speculative
+        row, none for rows that do not sample."""
+        result: list[list[CommittedToken]] = [[] for _ in h.rows]
         self.sync(h)
-        n, k = h.num_sampled, h.max_logprobs
+        n, k = h.host.num_virtual, h.max_logprobs
         if n == 0:
             return result
         host = h.slot.output_views(n, max(k, 0), host=True)
         tokens = host.tokens.tolist()
-        if k < 0:
-            for j, i in enumerate(h.host.sample_rows):
-                result[i] = CommittedToken(tokens[j])
-            return result
-        lps, ranks = host.logprob.tolist(), host.ranks.tolist()
-        top_ids, top_lps = host.topk_ids.tolist(), host.topk_lp.tolist()
+        widths = h.host.widths
+        if widths is not None:
+            self.spec.count(tokens, widths)
+        if k >= 0:
+            lps, ranks = host.logprob.tolist(), host.ranks.tolist()
+            top_ids, top_lps = host.topk_ids.tolist(), host.topk_lp.tolist()
+        at = 0
         for j, i in enumerate(h.host.sample_rows):
-            result[i] = CommittedToken(tokens[j], lps[j], ranks[j], top_ids[j], top_lps[j])
+            end = at + (1 if widths is None else widths[j])
+            result[i] = [CommittedToken(tokens[v]) if k < 0 else
+                         CommittedToken(tokens[v], lps[v], ranks[v], top_ids[v], top_lps[v])
+                         for v in range(at, end) if tokens[v] >= 0]
+            at = end
         return result
 
     def sampled_ids(self, h: StepHandle) -> np.ndarray:
-        """Step `h`'s sampled token ids in sampling order (a view of its host buffer: read it
-        before the slot's next step is staged)."""
-        return h.slot.out_i_host[:h.num_sampled].numpy()
+        """The first token of each sampling row in sampling order (a view of its host buffer
+        when no row speculates: read it before the slot's next step is staged)."""
+        widths = h.host.widths
+        if widths is None:
+            return h.slot.out_i_host[:h.num_sampled].numpy()
+        first = np.cumsum([0, *widths[:-1]])
+        return h.slot.out_i_host[:h.host.num_virtual].numpy()[first]
 
     def prompt_scores(self, h: StepHandle) -> list[PromptScores]:
         """Step `h`'s prompt logprobs as Python values (after its wait: no further sync)."""

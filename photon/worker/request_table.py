@@ -53,6 +53,7 @@ class RequestTable:
         self.ints = np.zeros((num_rows, NUM_INT_COLUMNS), dtype=I64)
         self.floats = np.zeros((num_rows, len(FLOAT_COLUMNS)), dtype=np.float32)
         self.prompt_k = np.full(num_rows, -1, dtype=I64)
+        self.spec = np.zeros(num_rows, dtype=I64)  # K of speculative requests, 0: plain
         self.tokens: list[list[int] | None] = [None] * num_rows
         self.sampling: list[PackedSampling | None] = [None] * num_rows
 
@@ -69,6 +70,7 @@ class RequestTable:
         self.tokens[i] = new.token_ids
         self.sampling[i] = new.sampling
         self.prompt_k[i] = new.prompt_logprobs
+        self.spec[i] = new.spec
         self.ints[i] = new.sampling.ints
         self.floats[i] = new.sampling.floats
 
@@ -84,6 +86,7 @@ class RequestTable:
         self.ints[i, IntCol.GREEDY] = 1
         self.floats[i] = INERT_FLOATS
         self.prompt_k[i] = -1
+        self.spec[i] = 0
         self.tokens[i] = new.token_ids
         self.sampling[i] = PackedSampling(tuple(self.ints[i].tolist()), INERT_FLOATS)
 

@@ -293,6 +293,16 @@ class Sampler:
                  overwrite: bool = False) -> SamplerOutput:
         """overwrite=True: `logits` may be modified in place (the model runner's are a fresh
         tensor every step), which saves a copy of [R, V] before the mask, bans or penalties."""
+        raw, logits, owned = self.process(logits, batch, overwrite)
+        token_ids = self.draw(logits, batch, owned)
+        if raw is None:
+            return SamplerOutput(token_ids, None, None, None, None)
+        return SamplerOutput(token_ids, *token_logprobs(raw, token_ids, batch.max_logprobs))
+
+    def process(self, logits: Tensor, batch: SamplingBatch, overwrite: bool = False
+                ) -> tuple[Tensor | None, Tensor, bool]:
+        """(raw log-softmax when logprobs are wanted, the logits after bias, penalties and bans,
+        whether the caller owns them): everything before the grammar mask and the draw."""
         owned = overwrite or logits.dtype != torch.float32  # .float() copies only then
         logits = logits.float()
         raw = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
@@ -302,8 +312,9 @@ class Sampler:
             logits, owned = apply_penalties(logits, batch), True
         if batch.ban_rows.numel() > 0:  # a shape, not a value: no sync
             logits, owned = apply_bans(logits if owned else logits.clone(), batch), True
+        return raw, logits, owned
+
+    def draw(self, logits: Tensor, batch: SamplingBatch, owned: bool) -> Tensor:
+        """The grammar mask, then the draw, on processed logits (`owned`: may be modified)."""
         fused = self.fused if self.fused is not None else logits.is_cuda and has_triton()
-        token_ids = _draw(logits, batch, fused, owned)
-        if raw is None:
-            return SamplerOutput(token_ids, None, None, None, None)
-        return SamplerOutput(token_ids, *token_logprobs(raw, token_ids, batch.max_logprobs))
+        return _draw(logits, batch, fused, owned)

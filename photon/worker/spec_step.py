@@ -1,0 +1,154 @@
+"""The model runner's speculative decoding: device-resolved positions, verification, proposals.
+
+Invariant: the device knows each request's length, `dev_len[req_index]` (committed tokens plus
+those accepted by steps not yet committed), and the host never reads it. Every sampling row sets
+it (plain rows: seq_len + 1; speculative rows: dev_len + accepted + 1), and after each sampling
+row of a speculative request the proposer writes its next drafts into the token pool at
+dev_len .. dev_len + K - 1 (`num_draft[req_index]` of them are proposals). A speculative row
+(photon.core.step.ScheduledRow) then queries positions dev_len - 1 .. dev_len + K - 1: its last
+known token and the drafts, all read from the pool. The host stages placeholders for them and
+`resolve` fills them at launch, so step t+1 is launched before step t's accepted counts reach
+the host, with no host sync.
+
+Positions a zombie row resolves past max_model_len are clamped (model inputs) or sent to the
+null block (KV slots): such rows' tokens are dropped at commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from photon.core.inputs import StepInputs
+from photon.spec.config import SpeculativeConfig
+from photon.spec.proposer import ProposeContext, build_proposer
+from photon.spec.rejection import verify
+from photon.structured.bitmask import TokenMask
+from photon.worker.sampler import Sampler, SamplingBatch
+
+
+@dataclass
+class SpecCounters:
+    """Host counts over the committed steps (read by tests and, later, metrics)."""
+
+    num_spec_rows: int = 0  # speculative rows that sampled
+    num_emitted_tokens: int = 0  # tokens those rows produced (accepted drafts + 1 each)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return self.num_emitted_tokens - self.num_spec_rows
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, num_rows: int,
+                 pool_width: int, block_size: int, device: torch.device) -> None:
+        self.k = config.k
+        self.proposer = build_proposer(config, max_model_len)
+        self.max_model_len = max_model_len
+        self.pool_width = pool_width
+        self.block_size = block_size
+        self.dev_len = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.num_draft = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.counters = SpecCounters()
+        self._j = torch.arange(self.k + 1, device=device)
+
+    # ---- launch ---------------------------------------------------------------------------
+    def resolve(self, dev: StepInputs[Tensor], num_rows: int) -> None:
+        """Fill the speculative rows' positions, input pool entries, KV slots and seq_lens, and
+        their sampling rows' counters, lengths and pool entries, from `dev_len`."""
+        rows, req = dev.spec_rows, dev.spec_reqs
+        if rows.numel() == 0:  # a shape: no sync
+            return
+        k, w, bs = self.k, self.pool_width, self.block_size
+        d = self.dev_len[req]
+        pos = d[:, None] - 1 + self._j[None, :]  # [S, K+1]
+        tok = (dev.query_start_loc[rows][:, None] + self._j[None, :]).reshape(-1)
+        base = req[:, None] * w
+        dev.positions[tok] = pos.clamp(max=self.max_model_len - 1).reshape(-1)
+        dev.pool_idx[tok] = (base + pos.clamp(max=w - 1)).reshape(-1)
+        tables = dev.block_tables.view(num_rows, -1)[rows]
+        width = tables.shape[1]
+        block = tables.gather(1, (pos // bs).clamp(max=width - 1))
+        block = torch.where(pos // bs < width, block, torch.zeros_like(block))
+        dev.slot_mapping[tok] = (block * bs + pos % bs).reshape(-1)
+        dev.seq_lens[rows] = d + k
+        v = self._vrows(dev)
+        nxt = (pos + 1).reshape(-1)  # the position of the token each sampling row decides
+        dev.counters[v] = nxt - dev.prompt_lens[v]
+        dev.sample_seq_lens[v] = nxt
+        dev.sample_pool_idx[v] = (base + (pos + 1).clamp(max=w - 1)).reshape(-1)
+
+    def _vrows(self, dev: StepInputs[Tensor]) -> Tensor:
+        """[S * (K+1)] the sampling rows of the speculative rows, row by row."""
+        return (dev.spec_vrows[:, None] + self._j[None, :]).reshape(-1)
+
+    # ---- sample ---------------------------------------------------------------------------
+    def expand_mask(self, mask: TokenMask | None, dev: StepInputs[Tensor],
+                    num_virtual: int) -> TokenMask | None:
+        """A step's grammar masks (one per row that samples) for its sampling rows: a
+        speculative row's K + 1 take its (allow-all: speculative rows have no grammar)."""
+        if mask is None:
+            return None
+        first = torch.ones(num_virtual, dtype=torch.int64, device=dev.spec_vrows.device)
+        rest = (dev.spec_vrows[:, None] + self._j[None, 1:]).reshape(-1)
+        first[rest] = 0
+        owner = first.cumsum(0) - 1
+        return TokenMask(mask.bits[owner], mask.tail[owner])
+
+    def sample(self, sampler: Sampler, logits: Tensor, batch: SamplingBatch,
+               dev: StepInputs[Tensor], pool: Tensor) -> tuple[Tensor, Tensor | None]:
+        """([R] tokens, raw log-softmax or None) of every sampling row: plain rows draw, the
+        K + 1 rows of a speculative row hold its verified tokens, then -1."""
+        raw, scores, owned = sampler.process(logits, batch, overwrite=True)
+        v = self._vrows(dev)
+        num_spec = dev.spec_rows.shape[0]
+        spec_scores = scores[v].view(num_spec, self.k + 1, -1)  # a copy: draw may mask scores
+        tokens = sampler.draw(scores, batch, owned)
+        req = dev.spec_reqs
+        d = self.dev_len[req]
+        drafts = pool.view(-1)[req[:, None] * self.pool_width
+                               + (d[:, None] + self._j[None, :self.k]).clamp(
+                                   max=self.pool_width - 1)].long()
+        v0 = dev.spec_vrows
+        first = replace(batch, temperature=batch.temperature[v0], top_k=batch.top_k[v0],
+                        top_p=batch.top_p[v0], min_p=batch.min_p[v0], keys=batch.keys[v0],
+                        counters=batch.counters[v0], token_bitmask=None)
+        out = verify(spec_scores, drafts, self.num_draft[req], None, first)
+        tokens[v] = out.tokens.reshape(-1)
+        return tokens, raw
+
+    def advance(self, tokens: Tensor, dev: StepInputs[Tensor], pool: Tensor) -> None:
+        """After a step's draw: its tokens into the pool, the new lengths, the next drafts."""
+        flat = pool.view(-1)
+        idx = dev.sample_pool_idx
+        keep = tokens >= 0
+        flat[idx] = torch.where(keep, tokens, flat[idx].long()).to(torch.int32)
+        # Row r's new length: the largest (position + 1) of its sampling rows that kept a token.
+        ends = torch.where(keep, dev.sample_seq_lens + 1, torch.zeros_like(idx))
+        self.dev_len.scatter_reduce_(0, dev.pool_rows, ends, "amax", include_self=False)
+        self.propose(dev.propose_reqs, pool)
+
+    def propose(self, req: Tensor, pool: Tensor) -> None:
+        """The next drafts of requests `req` into the pool at dev_len .. dev_len + K - 1."""
+        if req.numel() == 0:
+            return
+        lens = self.dev_len[req]
+        prop = self.proposer.propose(ProposeContext(pool, req, lens, self.k))
+        num = prop.num_draft.long()
+        j = self._j[None, :self.k]
+        idx = req[:, None] * self.pool_width + (lens[:, None] + j).clamp(max=self.pool_width - 1)
+        flat = pool.view(-1)
+        flat[idx] = torch.where(j < num[:, None], prop.draft_ids, flat[idx].long()).to(
+            torch.int32)
+        self.num_draft[req] = num
+
+    def count(self, tokens: list[int], widths: list[int]) -> None:
+        """Host counters of a committed step (its downloaded tokens, sampling-row widths)."""
+        at = 0
+        for w in widths:
+            if w > 1:
+                self.counters.num_spec_rows += 1
+                self.counters.num_emitted_tokens += sum(t >= 0 for t in tokens[at:at + w])
+            at += w
