@@ -1,0 +1,54 @@
+"""GPU checks of speculative decoding (n-gram proposer): on CUDA, greedy with speculation gives
+exactly the tokens of greedy without it (float32), pipelined equals blocking, the Triton
+verification runs, and the speculative loop makes no host sync but the commit's wait."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from photon import LLM, SamplingParams
+from tests.gpu.test_cuda_pipeline import sync_debug_error  # noqa: F401 - the fixture
+from tests.test_pipeline import Spec, run
+from tests.test_spec_engine import GREEDY, _prompts
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+KW = dict(device="cuda", dtype="float32", max_model_len=256)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_speculation_equals_greedy_cuda(k: int) -> None:
+    specs = [Spec(p, GREEDY) for p in _prompts(k)]
+    base, _ = run(LLM(pipelined=False, **KW), specs)
+    spec = {**NGRAM, "num_speculative_tokens": k}
+    pipelined_llm = LLM(pipelined=True, speculative_config=spec, **KW)
+    pipelined, audit_p = run(pipelined_llm, specs)
+    blocking, audit_b = run(LLM(pipelined=False, speculative_config=spec, **KW), specs)
+    assert pipelined == base
+    assert blocking == base
+    assert audit_p.schedule == audit_b.schedule
+    assert pipelined_llm.engine.runner.spec.counters.num_accepted_tokens > 0
+
+
+def test_no_hidden_sync_with_speculation(sync_debug_error: list[int]) -> None:  # noqa: F811
+    torch.cuda.set_sync_debug_mode(0)
+    llm = LLM(speculative_config=NGRAM, **{**KW, "dtype": "bfloat16"})
+    core = llm.engine
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=3, max_tokens=40,
+                             ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=1.0, seed=4, max_tokens=40, presence_penalty=0.5,
+                             repetition_penalty=1.2, ignore_eos=True)] * 3
+    for i, sp in enumerate(params):
+        core.add_request("def f(x):\n    return x + 1\n" * (i + 2), sp)
+    torch.cuda.set_sync_debug_mode("error")
+    while core.has_unfinished():
+        core.step()
+    torch.cuda.set_sync_debug_mode(0)
+    assert sync_debug_error[0] > 0
+    assert core.runner.spec.counters.num_accepted_tokens > 0
+    core.assert_drained()
