@@ -93,7 +93,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv,
                                    TokenTexts(self.tokenizer) if detokenize else None,
                                    spec_k=spec.k if spec is not None else 0,
-                                   max_model_len=config.model.max_model_len)
+                                   max_model_len=config.model.max_model_len,
+                                   draft_lookahead=self.runner.draft_lookahead)
         self.pipeline = Pipeline(self.scheduler, self.runner, self.grammar,
                                  config.pipeline_depth)
         self._rng = random.Random(config.model.seed)

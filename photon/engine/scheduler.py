@@ -56,9 +56,12 @@ def speculates(req: Request) -> bool:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  token_text: TokenText | None = None, spec_k: int = 0,
-                 max_model_len: int = 1 << 30) -> None:
+                 max_model_len: int = 1 << 30, draft_lookahead: int = 0) -> None:
         self.config = config
         self.spec_k = spec_k  # num_speculative_tokens of speculative requests; 0: none
+        # KV positions a draft model writes past a speculative request's sampling row: its K
+        # single-token steps after the row (0: no draft model)
+        self.draft_lookahead = draft_lookahead
         self.max_model_len = max_model_len
         self.token_text = token_text  # a token's text, for logprob entries (None: no text)
         self.kv = kv
@@ -156,7 +159,8 @@ class Scheduler:
                 budget -= self._plan_spec_row(req, budget, out)
                 continue
             num_new = min(known - req.num_computed_tokens, budget)
-            if num_new > 0 and self._reserve(req, req.num_computed_tokens + num_new):
+            end = req.num_computed_tokens + num_new
+            if num_new > 0 and self._reserve(req, self._row_reserve(req, end, known)):
                 self._add_row(req, num_new, out)
                 budget -= num_new
         self._admit_waiting(budget, out)
@@ -187,7 +191,14 @@ class Scheduler:
     def _spec_reserve(self, req: Request, bound: int) -> int:
         """KV positions a speculative row may write: up to its K-th draft, within max_model_len
         (the device sends positions past the request's blocks to the null block)."""
-        return min(bound + req.spec_k, self.max_model_len)
+        return min(bound + req.spec_k + self.draft_lookahead, self.max_model_len)
+
+    def _row_reserve(self, req: Request, end: int, known: int) -> int:
+        """KV positions a plain row ending at `end` may write: a speculative request's sampling
+        row (end == known) also the draft model's steps after it, within max_model_len."""
+        if req.spec_k and end == known and self.draft_lookahead:
+            return max(end, min(end + self.draft_lookahead, self.max_model_len))
+        return end
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         """KV blocks for the row (`num_tokens` positions in all), preempting lower-priority
@@ -227,7 +238,8 @@ class Scheduler:
             prefix = (self.kv.match_prefix(req.all_token_ids) if req.prompt_logprobs_done
                       else PrefixMatch())
             num_new = min(req.num_known_tokens - prefix.num_tokens, budget)
-            if not self.kv.allocate(req.key, prefix.num_tokens + num_new, prefix):
+            end = self._row_reserve(req, prefix.num_tokens + num_new, req.num_known_tokens)
+            if not self.kv.allocate(req.key, end, prefix):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING

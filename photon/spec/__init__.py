@@ -23,11 +23,15 @@ def check_supported(config: EngineConfig) -> None:
     spec = config.speculative_config
     if spec is None:
         return
-    if spec.method != "ngram":
+    if spec.method not in ("ngram", "draft_model"):
         raise ConfigError(
             f"speculative_config (--speculative-config): method {spec.method!r} is not "
-            f"available in this version of photon; supported: method \"ngram\" (prompt "
-            f"lookup), e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": 3}}'")
+            f"available in this version of photon; supported: \"ngram\" (prompt lookup) and "
+            f"\"draft_model\", e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": 3}}'")
+    if spec.method == "draft_model":
+        from photon.spec.draft_config import draft_model_config
+
+        draft_model_config(config)  # the draft's directory and vocabulary, checked at start-up
     budget = config.scheduler.max_num_batched_tokens
     if budget < spec.k + 1:
         raise ConfigError(

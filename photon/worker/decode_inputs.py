@@ -19,18 +19,22 @@ _NONE = np.zeros(0, dtype=I64)  # a decode row never scores a prompt token
 
 
 def build_decode_inputs(rows: list[ScheduledRow], table: RequestTable, block_size: int,
-                        pool_width: int) -> HostStep:
+                        pool_width: int, lookahead: int = 0) -> HostStep:
     """Every row has one query token and samples (callers check `is_plain_decode` first; a
     speculative request's first sampling row may be one: the runner proposes after it).
-    `table.sync_blocks(rows)` must have run."""
+    `table.sync_blocks(rows)` must have run. `lookahead`: positions past seq_len the block
+    tables also cover (a draft model's steps after sampling)."""
     n = len(rows)
     req = np.fromiter((r.req_index for r in rows), dtype=I64, count=n)
     start = np.fromiter((r.start for r in rows), dtype=I64, count=n)
     counters = np.fromiter((r.out_index for r in rows), dtype=I64, count=n)
     seq_lens = start + 1
     write_idx, write_ids = _pool_writes(req, seq_lens, table, pool_width)
-    width = int(((seq_lens + block_size - 1) // block_size).max())
+    width = int(((seq_lens + lookahead + block_size - 1) // block_size).max())
     tables = table.block_tables[req, :width]
+    if lookahead:  # only the blocks each row holds (the null block past them)
+        held = np.arange(tables.shape[1])[None, :] < table.num_blocks[req][:, None]
+        tables = np.where(held, tables, 0)
     slots = tables[np.arange(n), start // block_size] * block_size + start % block_size
     g = table.gather(req, counters)
     ban_rows, ban_tokens = table.min_tokens_bans(req, g.below_min_tokens)

@@ -39,10 +39,12 @@ from photon.core.step import (
 )
 from photon.model.loader import load_model
 from photon.sampling_params import MAX_LOGPROBS
+from photon.spec.draft_config import draft_model_config
 from photon.structured.backend import bitmask_width
 from photon.structured.bitmask import MaskViews, TokenMask, mask_numel
 from photon.worker.cuda_graph import DecodeGraphs, pad_decode_inputs
 from photon.worker.decode_inputs import build_decode_inputs, is_plain_decode
+from photon.worker.draft_runner import DraftRunner, kv_block_bytes
 from photon.worker.inputs import HostStep, build_step_inputs
 from photon.worker.probe import StepMarks, StepProbe
 from photon.worker.request_table import RequestTable
@@ -95,6 +97,10 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         self.model = load_model(config.model, config.device)
         self.backend = create_backend(config.attention_backend, config.device)
+        spec = config.speculative_config
+        # method draft_model: a second model whose KV blocks share the target's block ids
+        self.draft_config = (draft_model_config(config) if spec is not None
+                             and spec.method == "draft_model" else None)
         self.num_blocks = self._num_blocks()
         mc = config.model
         shape = (2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
@@ -113,9 +119,13 @@ class ModelRunner:
         # Backends cover at most the model's vocabulary: the widest masks a step can have.
         words = bitmask_width(mc.vocab_size)
         self.mask_views = MaskViews(words)
-        spec = config.speculative_config
         self.spec = None if spec is None else SpecDecoder(
             spec, mc.max_model_len, num_rows, self.pool_width, self.block_size, self.device)
+        self.draft = None if self.draft_config is None else DraftRunner(
+            self.draft_config, self.num_blocks, self.block_size, num_rows, mc.max_model_len,
+            self.backend, self.device)
+        # KV positions the scheduler reserves past a row's target writes for the draft's steps
+        self.draft_lookahead = 0 if self.draft is None else spec.k
         # Sampling rows: a speculative row samples K + 1.
         sampling_rows = max_seqs * (1 + (spec.k if spec is not None else 0))
         self.slots = [StepSlot(i, self.device, sampling_rows, MAX_LOGPROBS,
@@ -124,16 +134,19 @@ class ModelRunner:
         self.sampler = Sampler(fused=config.model.use_triton)
         self.probe: StepProbe | None = None
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # Steps run eagerly with a draft model (its forwards follow the target's).
+        if self.device.type == "cuda" and not config.enforce_eager and self.draft is None:
             self.graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, self.token_pool,
                                        max_seqs, max_blocks, self.device)
             self.graphs.capture()
 
     # ---- sizing -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        mc = self.config.model
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+        """A block id's bytes: the target's KV block, plus the draft model's (same id)."""
+        size = kv_block_bytes(self.config.model, self.block_size)
+        if self.draft_config is not None:
+            size += kv_block_bytes(self.draft_config, self.block_size)
+        return size
 
     def _num_blocks(self) -> int:
         """Usable blocks + the reserved null block 0. Refuses to start when one max_model_len
@@ -201,7 +214,8 @@ class ModelRunner:
         rows = plan.rows
         if is_plain_decode(rows):
             self.table.sync_blocks(rows)
-            host = build_decode_inputs(rows, self.table, self.block_size, self.pool_width)
+            host = build_decode_inputs(rows, self.table, self.block_size, self.pool_width,
+                                       self.draft_lookahead)
         else:
             host = build_step_inputs(rows, self.table, self.block_size, self.pool_width)
         idx, valid = host.pool_valid
@@ -273,6 +287,8 @@ class ModelRunner:
             seq_lens_exact=host.widths is None,
         )
         input_ids = self.token_pool.view(-1)[dev.pool_idx].long()
+        if self.draft is not None:
+            self.draft.catch_up(input_ids, dev.positions, meta)
         ctx = ForwardContext(meta, self.kv_caches, self.backend)
         return self.model(input_ids, dev.positions, ctx)
 
@@ -336,12 +352,19 @@ class ModelRunner:
                 views.topk_ids.copy_(lps[2])
                 views.topk_lp.copy_(lps[3])
         if self.spec is not None:
+            self._bind_draft(h)
             self.spec.advance(tokens, h.dev, self.token_pool)
         else:
             self.token_pool.view(-1)[h.dev.sample_pool_idx] = tokens.to(torch.int32)
         if h.marks is not None:
             self.probe.mark(h.marks, "smp_end")
         h.slot.download(self.streams, rows, k)
+
+    def _bind_draft(self, h: StepHandle) -> None:
+        """The draft model's step for the requests that propose after step `h`."""
+        num = h.host.inputs.propose_reqs.size
+        if self.draft is not None and num:
+            self.spec.proposer.bind(self.draft.decode(h.dev, len(h.rows), num))
 
     # ---- commit's wait -----------------------------------------------------------------------
     def sync(self, h: StepHandle) -> None:

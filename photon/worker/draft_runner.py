@@ -1,0 +1,89 @@
+"""The draft model of speculative method draft_model: its weights and its paged KV cache.
+
+Invariant: the draft's KV tensors are indexed by the target's block ids (same number of blocks,
+same block size), so the target's allocator, block tables and block lifetimes (allocation,
+shrink, preemption, release of zombie rows) serve both caches; the draft has no allocator.
+
+Per step, on the device and without a host sync:
+- `catch_up`: the draft runs the target's forward inputs (the same rows, tokens, positions and
+  KV slots: prompt chunks, plain rows and the K + 1 positions of speculative rows), so its KV
+  holds every position the target has computed;
+- after verification, `DraftDecode` is the proposer's `DraftStep` (photon.spec.draft_model): K
+  single-token steps from each proposing request's last known token, writing their KV into the
+  blocks the step's block table gives the request. The scheduler reserves K positions past what
+  a row's target forward writes for them (its `draft_lookahead`); positions outside the table or
+  past max_model_len go to the null block 0, and their drafts are never proposed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from photon.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
+from photon.config import ModelConfig
+from photon.core.inputs import StepInputs
+from photon.model.loader import load_model
+
+
+def kv_block_bytes(mc: ModelConfig, block_size: int) -> int:
+    """Bytes of one KV block of model `mc` (K and V of every layer)."""
+    elem = torch.tensor([], dtype=mc.dtype).element_size()
+    return 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * elem
+
+
+class DraftRunner:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, num_rows: int,
+                 max_model_len: int, backend: AttentionBackend, device: torch.device) -> None:
+        self.config = config
+        self.model = load_model(config, str(device))
+        shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=config.dtype, device=device)
+                          for _ in range(config.num_layers)]
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.backend = backend
+        # The step row of each request index in the step being sampled (for its block table).
+        self._row_of = torch.zeros(num_rows, dtype=torch.int64, device=device)
+
+    def catch_up(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> None:
+        """The draft's forward over the target's step inputs: only its KV writes matter."""
+        self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
+
+    def decode(self, dev: StepInputs[Tensor], num_rows: int, num_proposing: int) -> DraftDecode:
+        """The draft step of a sampled step's proposing requests (`dev.propose_reqs`, of which
+        the host knows there are `num_proposing`)."""
+        # A sampling row's logits index lies in its step row's query span.
+        step_row = torch.searchsorted(dev.query_start_loc[1:num_rows + 1], dev.logits_indices,
+                                      right=True)
+        self._row_of[dev.pool_rows] = step_row
+        tables = dev.block_tables.view(num_rows, -1)[self._row_of[dev.propose_reqs]]
+        return DraftDecode(self, tables, num_proposing)
+
+
+class DraftDecode:
+    """photon.spec.draft_model.DraftStep for one step's proposing requests: row b's KV blocks
+    are tables[b] (the step's block table of its request)."""
+
+    def __init__(self, draft: DraftRunner, tables: Tensor, num_rows: int) -> None:
+        self.draft = draft
+        self.tables = tables
+        self.tables_i32 = tables.to(torch.int32)
+        self.num_rows = num_rows
+        self._starts = torch.arange(num_rows + 1, dtype=torch.int32, device=tables.device)
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, step: int) -> Tensor:
+        d = self.draft
+        bs, width = d.block_size, self.tables.shape[1]
+        index = positions // bs
+        block = self.tables.gather(1, index.clamp(max=width - 1)[:, None])[:, 0]
+        inside = (index < width) & (positions < d.max_model_len)
+        slots = torch.where(inside, block, torch.zeros_like(block)) * bs + positions % bs
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=self.tables_i32,
+            seq_lens=(positions + 1).clamp(max=d.max_model_len).to(torch.int32),
+            query_start_loc=self._starts, seq_lens_host=[d.max_model_len] * self.num_rows,
+            query_lens_host=[1] * self.num_rows, decode_only=True, seq_lens_exact=False)
+        ctx = ForwardContext(meta, d.kv_caches, d.backend)
+        hidden = d.model(input_ids, positions.clamp(max=d.max_model_len - 1), ctx)
+        return d.model.compute_logits(hidden)
