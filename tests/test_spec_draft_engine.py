@@ -18,7 +18,7 @@ import torch
 from photon import LLM, SamplingParams
 from photon.config import ConfigError, EngineArgs
 from tests.hf_models import make_engine_model
-from tests.test_pipeline import Spec, _shared_prefix_specs, run
+from tests.test_pipeline import _shared_prefix_specs, run
 from tests.test_spec_engine import _mixed_specs
 
 ASSETS = Path(__file__).resolve().parent.parent / "photon" / "assets"
