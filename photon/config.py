@@ -233,7 +233,8 @@ class EngineArgs:
             "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' proposes from the "
             "request's own tokens (prompt_lookup_min/prompt_lookup_max: the n-gram lengths "
             "searched, default 5); '{\"method\": \"draft_model\", \"model\": DIR, "
-            "\"num_speculative_tokens\": 3}' from a small draft model sharing the tokenizer. "
+            "\"num_speculative_tokens\": 3}' from a small draft model sharing the target's "
+            "tokenizer and vocabulary (its KV cache shares the target's blocks and memory). "
             "num_speculative_tokens: 1 to 16. Default: off."))
 
     def create_config(self) -> EngineConfig:

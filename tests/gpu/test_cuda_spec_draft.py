@@ -1,0 +1,55 @@
+"""GPU checks of speculative decoding with a draft model: on CUDA, greedy with the committed
+trained pair gives exactly the tokens of greedy without speculation (float32), pipelined equals
+blocking, the draft is accepted, and the loop makes no host sync but the commit's wait."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from photon import LLM, SamplingParams
+from tests.gpu.test_cuda_pipeline import sync_debug_error  # noqa: F401 - the fixture
+from tests.test_spec_draft_engine import CODE, DRAFT, TARGET
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+KW = dict(model=TARGET, device="cuda", dtype="float32", max_model_len=512)
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+
+def _spec(k: int) -> dict:
+    return {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k}
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    outs = llm.generate(CODE, GREEDY, use_tqdm=False)
+    llm.engine.assert_drained()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_draft_model_greedy_equals_greedy_cuda(k: int) -> None:
+    base = _greedy(LLM(pipelined=False, **KW))
+    pipelined = LLM(pipelined=True, speculative_config=_spec(k), **KW)
+    assert _greedy(pipelined) == base
+    assert _greedy(LLM(pipelined=False, speculative_config=_spec(k), **KW)) == base
+    assert pipelined.engine.runner.spec.counters.num_accepted_tokens > 0
+
+
+def test_no_hidden_sync_with_a_draft_model(sync_debug_error: list[int]) -> None:  # noqa: F811
+    torch.cuda.set_sync_debug_mode(0)
+    llm = LLM(speculative_config=_spec(3), **{**KW, "dtype": "bfloat16"})
+    core = llm.engine
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=3, max_tokens=40,
+                             ignore_eos=True, logprobs=2)] * 3
+    for i, sp in enumerate(params):
+        core.add_request(CODE[i % len(CODE)] * (i + 1), sp)
+    torch.cuda.set_sync_debug_mode("error")
+    while core.has_unfinished():
+        core.step()
+    torch.cuda.set_sync_debug_mode(0)
+    assert sync_debug_error[0] > 0
+    assert core.runner.spec.counters.num_accepted_tokens > 0
+    core.assert_drained()
