@@ -15,10 +15,10 @@ def test_decode_fast_path_equals_general_path(monkeypatch: pytest.MonkeyPatch) -
     checked = [0]
     fast = decode_inputs.build_decode_inputs
 
-    def both(rows, table, block_size, pool_width):  # noqa: ANN001, ANN202
+    def both(rows, table, block_size, pool_width, lookahead=0):  # noqa: ANN001, ANN202
         valid = table.pool_valid.copy()
         general = build_step_inputs(rows, table, block_size, pool_width)
-        got = fast(rows, table, block_size, pool_width)
+        got = fast(rows, table, block_size, pool_width, lookahead)
         assert np.array_equal(valid, table.pool_valid), "the builders only read the table"
         for name in INT_FIELDS + FLOAT_FIELDS:
             assert np.array_equal(np.asarray(getattr(general.inputs, name)).reshape(-1),
