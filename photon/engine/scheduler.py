@@ -47,10 +47,10 @@ class SchedulerOutput:
 
 
 def speculates(req: Request) -> bool:
-    """Whether a request may speculate (when the engine does). Plain rows instead: requests with
-    a grammar (structured outputs) and requests under min_tokens (its stop-token bans depend on
-    the output index, which the host does not know for a speculative row)."""
-    return req.grammar is None and req.params.min_tokens == 0
+    """Whether a request may speculate (when the engine does). Requests with a grammar
+    (structured outputs) run as plain rows: their masks are per row. min_tokens speculates: the
+    sampler applies its stop-token bans per verified position from the device's output index."""
+    return req.grammar is None
 
 
 class Scheduler:

@@ -185,7 +185,7 @@ def build_step_inputs(rows: list[ScheduledRow], table: RequestTable, block_size:
     smp = _sampling(rows, qsl)
     req = smp.req
     g = table.gather(req, smp.counters)
-    ban_rows, ban_tokens = table.min_tokens_bans(req, g.below_min_tokens)
+    ban_rows, ban_tokens, ban_until = table.min_tokens_bans(req, g.below_min_tokens)
     bias_rows, bias_tokens, bias_values = table.logit_bias(req, g.biased)
     plp_idx, plp_tokens, spans = prompt_logprob_arrays(rows, table, qsl)
     seq_lens = [r.seq_len for r in rows]
@@ -194,7 +194,7 @@ def build_step_inputs(rows: list[ScheduledRow], table: RequestTable, block_size:
         positions, pool_idx, slots, write_idx, write_ids, i64(seq_lens), qsl,
         _block_tables(rows, block_size), smp.logits_idx, g.top_k, g.keys, smp.counters, req,
         g.prompt_lens, smp.seq_lens, req * pool_width + smp.seq_lens, ban_rows, ban_tokens,
-        bias_rows, bias_tokens, plp_idx, plp_tokens, smp.spec_rows,
+        ban_until, bias_rows, bias_tokens, plp_idx, plp_tokens, smp.spec_rows,
         i64([rows[i].req_index for i in smp.spec_rows.tolist()]), smp.spec_vrows,
         sampled_req[table.spec[sampled_req] > 0], *g.floats, bias_values)
     # A speculative row leaves the pool's host-known part as it was (the device knows more).

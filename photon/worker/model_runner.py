@@ -299,7 +299,7 @@ class ModelRunner:
             min_p=d.min_p, keys=d.keys, counters=d.counters,
             presence_penalty=d.presence_penalty, frequency_penalty=d.frequency_penalty,
             repetition_penalty=d.repetition_penalty, ban_rows=d.ban_rows,
-            ban_tokens=d.ban_tokens, bias_rows=d.bias_rows, bias_tokens=d.bias_tokens,
+            ban_tokens=d.ban_tokens, ban_until=d.ban_until, bias_rows=d.bias_rows, bias_tokens=d.bias_tokens,
             bias_values=d.bias_values, token_pool=self.token_pool if f.any_penalties else None,
             pool_rows=d.pool_rows, prompt_lens=d.prompt_lens, seq_lens=d.sample_seq_lens,
             all_greedy=f.all_greedy, any_top_k=f.any_top_k, any_top_p=f.any_top_p,
