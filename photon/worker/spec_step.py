@@ -16,7 +16,7 @@ null block (KV slots): such rows' tokens are dropped at commit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -25,20 +25,11 @@ from photon.core.inputs import StepInputs
 from photon.spec.config import SpeculativeConfig
 from photon.spec.proposer import ProposeContext, build_proposer
 from photon.spec.rejection import verify
+from photon.spec.stats import SpecDecodingStats
 from photon.structured.bitmask import TokenMask
 from photon.worker.sampler import Sampler, SamplingBatch
 
-
-@dataclass
-class SpecCounters:
-    """Host counts over the committed steps (read by tests and, later, metrics)."""
-
-    num_spec_rows: int = 0  # speculative rows that sampled
-    num_emitted_tokens: int = 0  # tokens those rows produced (accepted drafts + 1 each)
-
-    @property
-    def num_accepted_tokens(self) -> int:
-        return self.num_emitted_tokens - self.num_spec_rows
+NO_DRAFT = -2  # a speculative row's sampling row past its drafts (-1: a draft not reached)
 
 
 class SpecDecoder:
@@ -51,7 +42,7 @@ class SpecDecoder:
         self.block_size = block_size
         self.dev_len = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self.num_draft = torch.zeros(num_rows, dtype=torch.int64, device=device)
-        self.counters = SpecCounters()
+        self.counters = SpecDecodingStats.empty(self.k)  # committed steps (metrics)
         self._j = torch.arange(self.k + 1, device=device)
 
     # ---- launch ---------------------------------------------------------------------------
@@ -100,7 +91,8 @@ class SpecDecoder:
     def sample(self, sampler: Sampler, logits: Tensor, batch: SamplingBatch,
                dev: StepInputs[Tensor], pool: Tensor) -> tuple[Tensor, Tensor | None]:
         """([R] tokens, raw log-softmax or None) of every sampling row: plain rows draw, the
-        K + 1 rows of a speculative row hold its verified tokens, then -1."""
+        K + 1 rows of a speculative row hold its verified tokens, then -1 up to its last draft's
+        position and NO_DRAFT past it."""
         raw, scores, owned = sampler.process(logits, batch, overwrite=True)
         v = self._vrows(dev)
         num_spec = dev.spec_rows.shape[0]
@@ -115,8 +107,12 @@ class SpecDecoder:
         first = replace(batch, temperature=batch.temperature[v0], top_k=batch.top_k[v0],
                         top_p=batch.top_p[v0], min_p=batch.min_p[v0], keys=batch.keys[v0],
                         counters=batch.counters[v0], token_bitmask=None)
-        out = verify(spec_scores, drafts, self.num_draft[req], None, first)
-        tokens[v] = out.tokens.reshape(-1)
+        num_draft = self.num_draft[req]
+        out = verify(spec_scores, drafts, num_draft, None, first)
+        # Positions past the row's drafts (never emitted) carry NO_DRAFT instead of -1: the
+        # commit counts the row's drafts from the one download it already makes.
+        no_draft = self._j[None, :] > num_draft[:, None]
+        tokens[v] = torch.where(no_draft, NO_DRAFT, out.tokens).reshape(-1)
         return tokens, raw
 
     def advance(self, tokens: Tensor, dev: StepInputs[Tensor], pool: Tensor) -> None:
@@ -145,10 +141,13 @@ class SpecDecoder:
         self.num_draft[req] = num
 
     def count(self, tokens: list[int], widths: list[int]) -> None:
-        """Host counters of a committed step (its downloaded tokens, sampling-row widths)."""
+        """Host counters of a committed step (its downloaded tokens, sampling-row widths): a
+        speculative row of K + 1 emitted `n >= 1` tokens (n - 1 accepted drafts) and has a
+        NO_DRAFT entry per draft position it did not propose."""
         at = 0
         for w in widths:
             if w > 1:
-                self.counters.num_spec_rows += 1
-                self.counters.num_emitted_tokens += sum(t >= 0 for t in tokens[at:at + w])
+                row = tokens[at:at + w]
+                self.counters.observe(self.k - row.count(NO_DRAFT),
+                                      sum(t >= 0 for t in row) - 1)
             at += w
