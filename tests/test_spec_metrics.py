@@ -4,10 +4,12 @@ engine's stats carry them, and a live server exposes them under vLLM's names."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import httpx
 import openai
+import pytest
 import torch
 
 from photon import SamplingParams
@@ -15,6 +17,7 @@ from photon.spec.config import parse_speculative_config
 from photon.spec.stats import SpecDecodingStats
 from photon.worker.spec_step import NO_DRAFT, SpecDecoder
 from tests.server_util import live_server
+from tests.test_bench_throughput import SMALL, _run
 from tests.test_spec_engine import _llm, _prompts
 
 
@@ -80,3 +83,17 @@ def test_live_server_exposes_the_spec_decode_counters() -> None:
     assert m["photon:spec_decode_num_draft_tokens_total"] >= drafts
     assert accepted == m["photon:spec_decode_num_accepted_tokens_per_pos_total{0}"] + m[
         "photon:spec_decode_num_accepted_tokens_per_pos_total{1}"]
+
+
+def test_bench_throughput_reports_the_acceptance(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                       "prompt_lookup_max": 2})
+    summary, err = _run(capsys, [*SMALL, "--warmup-prompts", "0", "--speculative-config", spec])
+    drafts, accepted = summary["spec_decode_num_drafts"], summary["spec_decode_num_accepted_tokens"]
+    assert drafts > 0
+    assert summary["spec_mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+    rates = summary["spec_acceptance_rate_per_pos"]
+    assert len(rates) == 2 and sum(rates) * drafts == pytest.approx(accepted)
+    assert "mean acceptance length" in err
+    plain, _ = _run(capsys, SMALL)
+    assert plain["spec_mean_acceptance_length"] is None

@@ -52,3 +52,17 @@ class SpecDecodingStats:
             self.num_accepted_tokens - earlier.num_accepted_tokens,
             [a - b for a, b in zip(self.num_accepted_tokens_per_pos,
                                    earlier.num_accepted_tokens_per_pos)])
+
+
+def acceptance_summary(stats: SpecDecodingStats | None) -> dict[str, object]:
+    """A benchmark's speculative fields (all None without speculation): vLLM's counts, the mean
+    acceptance length and the acceptance rate of each draft position."""
+    if stats is None:
+        return {"spec_decode_num_drafts": None, "spec_decode_num_draft_tokens": None,
+                "spec_decode_num_accepted_tokens": None, "spec_mean_acceptance_length": None,
+                "spec_acceptance_rate_per_pos": None}
+    return {"spec_decode_num_drafts": stats.num_drafts,
+            "spec_decode_num_draft_tokens": stats.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
+            "spec_mean_acceptance_length": stats.mean_acceptance_length,
+            "spec_acceptance_rate_per_pos": stats.acceptance_rate_per_pos}
