@@ -35,6 +35,7 @@ from photon.engine.scheduler import Scheduler
 from photon.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from photon.reasoning import ReasoningParser, get_reasoning_parser
 from photon.sampling_params import SamplingParams
+from photon.spec.adaptive import AdaptiveSpec
 from photon.spec.stats import SpecDecodingStats
 from photon.structured.manager import StructuredOutputManager
 from photon.structured.step import GrammarStep
@@ -96,6 +97,8 @@ class EngineCore:
                                    TokenTexts(self.tokenizer) if detokenize else None,
                                    spec_k=spec.k if spec is not None else 0,
                                    max_model_len=config.model.max_model_len)
+        if spec is not None:  # the adaptive switch: K_eff per step from a cost model
+            self.scheduler.spec_policy = AdaptiveSpec(spec.k, self.runner.spec.counters)
         self.pipeline = Pipeline(self.scheduler, self.runner, self.grammar,
                                  config.pipeline_depth)
         self._rng = random.Random(config.model.seed)

@@ -61,4 +61,4 @@ def _pool_writes(req: np.ndarray, seq_lens: np.ndarray, table: RequestTable, poo
 
 
 def is_plain_decode(rows: list[ScheduledRow]) -> bool:
-    return all(r.num_tokens == 1 and r.sample and not r.spec for r in rows)
+    return all(r.num_tokens == 1 and r.sample and not r.speculative for r in rows)

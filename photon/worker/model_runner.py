@@ -226,7 +226,7 @@ class ModelRunner:
         if host.inputs.write_idx.size:
             self.token_pool.view(-1)[dev.write_idx] = dev.write_ids.to(torch.int32)
         if host.widths is not None:
-            self.spec.resolve(dev, len(prep.rows))
+            self.spec.resolve(dev, len(prep.rows), host.spec_k)
         if prep.graph_key is not None:
             hidden = self.graphs.run(prep.graph_key, dev, len(prep.rows))
         else:
@@ -293,7 +293,7 @@ class ModelRunner:
         d, f = h.dev, h.host.flags
         mask = self._token_bitmask(h)
         if h.host.widths is not None:
-            mask = self.spec.expand_mask(mask, d, h.host.num_virtual)
+            mask = self.spec.expand_mask(mask, d, h.host.num_virtual, h.host.spec_k)
         return SamplingBatch(
             temperature=d.temperature, top_k=d.top_k.to(torch.int32), top_p=d.top_p,
             min_p=d.min_p, keys=d.keys, counters=d.counters,
@@ -324,7 +324,8 @@ class ModelRunner:
             tokens, lps = out.token_ids, (out.logprobs, out.ranks, out.topk_ids,
                                           out.topk_logprobs)
         else:
-            tokens, raw = self.spec.sample(self.sampler, h.logits, batch, h.dev, self.token_pool)
+            tokens, raw = self.spec.sample(self.sampler, h.logits, batch, h.dev, self.token_pool,
+                                           h.host.spec_k)
             lps = token_logprobs(raw, tokens.clamp(min=0), k) if raw is not None else None
         rows = h.host.num_virtual
         views = h.slot.output_views(rows, max(k, 0))
