@@ -63,7 +63,7 @@ def test_limits_reject_with_the_limit_and_the_value(spec: SO, words: str) -> Non
 
 
 def test_limits_are_engine_args() -> None:
-    llm = LLM(max_model_len=128, structured_outputs_max_chars=50,
+    llm = LLM("photon-tiny-random", max_model_len=128, structured_outputs_max_chars=50,
               structured_outputs_worker="inline")
     with pytest.raises(ValueError, match="at most 50 are allowed .structured_outputs_max_chars"):
         llm.generate("x", SamplingParams(structured_outputs=SO(regex="[a-z]" * 20)),
