@@ -156,7 +156,7 @@ def tokenizer():  # noqa: ANN201
     from photon.model.tiny import resolve_model_path
     from photon.tokenizer import Tokenizer
 
-    return Tokenizer.from_pretrained(resolve_model_path(None))
+    return Tokenizer.from_pretrained(resolve_model_path("photon-tiny-random"))
 
 
 def _manager(tokenizer, worker: str = "inline", **kw) -> StructuredOutputManager:  # noqa: ANN001
