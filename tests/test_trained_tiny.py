@@ -69,17 +69,21 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+@pytest.fixture(scope="module")
+def hf_greedy(prompts: list[list[int]], hf_model: torch.nn.Module) -> list[list[int]]:
+    return [_hf_greedy(hf_model, p) for p in prompts]
+
+
 @pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "blocking"])
 def test_greedy_tokens_match_transformers(pipelined: bool, prompts: list[list[int]],
-                                          hf_model: torch.nn.Module) -> None:
+                                          hf_greedy: list[list[int]]) -> None:
     llm = LLM(PHOTON_TINY, dtype="float32", max_model_len=512, max_num_seqs=8,
               pipelined=pipelined)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     ours = [o.outputs[0].token_ids for o in outs]
-    theirs = [_hf_greedy(hf_model, p) for p in prompts]
     assert len(ours) == len(prompts) == 20
-    for i, (a, b) in enumerate(zip(ours, theirs)):
+    for i, (a, b) in enumerate(zip(ours, hf_greedy)):
         assert list(a) == b, f"prompt {i}"
 
 
