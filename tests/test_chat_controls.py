@@ -209,7 +209,7 @@ def test_grammar_starts_after_the_reasoning_end_token(pipelined: bool) -> None:
     """Until the end-of-reasoning token is committed the output is the unconstrained one
     (masks allow all); after it the schema holds. The end token is one the random model
     greedily produces, so the gate really opens mid-output."""
-    llm = LLM(max_model_len=160, pipelined=pipelined, structured_outputs_worker="inline")
+    llm = LLM("photon-tiny-random", max_model_len=160, pipelined=pipelined, structured_outputs_worker="inline")
     prompt = [5, 17, 230, 41, 9]
     free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0].token_ids

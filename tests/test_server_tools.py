@@ -1,4 +1,4 @@
-"""Tool calling over HTTP with the official openai client, on photon-tiny (random weights) with
+"""Tool calling over HTTP with the official openai client, on photon-tiny-random with
 a Qwen-style chat template that renders `tools`, assistant `tool_calls` and `tool` messages.
 
 Forced choices (a named function, "required") must give arguments valid for the function's
@@ -54,7 +54,7 @@ TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name}
                                            "parameters": schema}}
          for name, schema in SCHEMAS.items()]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-MODEL = "photon-tiny"
+MODEL = "photon-tiny-random"
 PARSERS = ("hermes", "llama3_json", "mistral")
 
 

@@ -9,7 +9,11 @@ import pytest
 from photon.config import ConfigError
 from photon.model.hf_config import load_hf_config
 from photon.model.tiny import (
+    BUILTIN_MODELS,
     PHOTON_TINY,
+    PHOTON_TINY_DRAFT,
+    PHOTON_TINY_RANDOM,
+    builtin_model_path,
     ensure_photon_tiny,
     is_random_weights,
     resolve_model_path,
@@ -32,7 +36,7 @@ UNICODE_SAMPLES = [
 @pytest.fixture()
 def tiny_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("PHOTON_CACHE_DIR", str(tmp_path / "cache"))
-    return resolve_model_path(None)
+    return resolve_model_path(PHOTON_TINY_RANDOM)
 
 
 def _read_all(directory: str) -> dict[str, bytes]:
@@ -50,9 +54,9 @@ def test_creation_is_deterministic(tmp_path: Path) -> None:
 
 
 def test_reuse_and_resolve(tiny_dir: str, tmp_path: Path) -> None:
-    assert tiny_dir == str(tmp_path / "cache" / "photon-tiny-v1")
+    assert tiny_dir == str(tmp_path / "cache" / "photon-tiny-random-v1")
     mtime = os.stat(os.path.join(tiny_dir, "model.safetensors")).st_mtime_ns
-    assert resolve_model_path(PHOTON_TINY) == tiny_dir
+    assert resolve_model_path(PHOTON_TINY_RANDOM) == tiny_dir
     assert os.stat(os.path.join(tiny_dir, "model.safetensors")).st_mtime_ns == mtime
     assert resolve_model_path(tiny_dir) == tiny_dir
     with pytest.raises(ConfigError, match="does not exist"):
@@ -61,17 +65,38 @@ def test_reuse_and_resolve(tiny_dir: str, tmp_path: Path) -> None:
         resolve_model_path(str(tmp_path))
 
 
+def test_builtin_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """photon-tiny (the default) and photon-tiny-draft are the trained package directories, with
+    no random-weights marker; photon-tiny-random is generated; served under their own names."""
+    from photon.config import EngineArgs
+
+    monkeypatch.setenv("PHOTON_CACHE_DIR", str(tmp_path / "cache"))
+    package = Path(__file__).resolve().parents[1] / "photon" / "assets"
+    assert resolve_model_path(None) == resolve_model_path(PHOTON_TINY) == str(package / PHOTON_TINY)
+    assert resolve_model_path(PHOTON_TINY_DRAFT) == str(package / PHOTON_TINY_DRAFT)
+    for name in (PHOTON_TINY, PHOTON_TINY_DRAFT):
+        assert not is_random_weights(resolve_model_path(name))
+        assert "photon_training" in load_hf_config(resolve_model_path(name))
+    assert is_random_weights(resolve_model_path(PHOTON_TINY_RANDOM))
+    assert not os.path.exists(package / PHOTON_TINY_RANDOM)  # generated, never shipped
+    for name in (None, *BUILTIN_MODELS):
+        config = EngineArgs(model=name).create_config()
+        assert config.model.served_model_name == (name or PHOTON_TINY)
+    with pytest.raises(ConfigError, match="built-in models: photon-tiny, photon-tiny-draft"):
+        builtin_model_path("photon-huge")
+
+
 def test_concurrent_creation(tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(4) as pool:
         paths = list(pool.map(lambda _: ensure_photon_tiny(str(tmp_path)), range(4)))
     assert len(set(paths)) == 1 and is_random_weights(paths[0])
-    assert os.listdir(tmp_path) == ["photon-tiny-v1"]  # losers cleaned up their temp dirs
+    assert os.listdir(tmp_path) == ["photon-tiny-random-v1"]  # losers cleaned up their temp dirs
 
 
 def test_incomplete_dir_is_rebuilt(tmp_path: Path) -> None:
-    partial = tmp_path / "photon-tiny-v1"
+    partial = tmp_path / "photon-tiny-random-v1"
     partial.mkdir()
     (partial / "config.json").write_text("{}")
     path = ensure_photon_tiny(str(tmp_path))
