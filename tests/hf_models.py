@@ -81,10 +81,10 @@ def make_engine_model(path: str, arch: str, **kwargs: object) -> str:
     import os
     import shutil
 
-    from photon.model.tiny import ensure_photon_tiny
+    from photon.model.tiny import ensure_photon_tiny_random
 
     make_hf_model(path, arch, vocab_size=1024, **kwargs)
-    tiny = ensure_photon_tiny()
+    tiny = ensure_photon_tiny_random()
     for name in TOKENIZER_FILES:
         shutil.copy(os.path.join(tiny, name), os.path.join(path, name))
     return path

@@ -40,9 +40,9 @@ def make_think_model(path: str) -> str:
     """photon-tiny's weights with <think> / </think> added as (non-special) tokens, as Qwen3's."""
     from tokenizers import AddedToken, Tokenizer
 
-    from photon.model.tiny import ensure_photon_tiny
+    from photon.model.tiny import ensure_photon_tiny_random
 
-    tiny = ensure_photon_tiny()
+    tiny = ensure_photon_tiny_random()
     os.makedirs(path, exist_ok=True)
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         shutil.copy(os.path.join(tiny, name), os.path.join(path, name))

@@ -162,7 +162,7 @@ def test_generate_json_prints_logprobs(capsys: pytest.CaptureFixture[str],
 
 def test_generate_text_prints_logprobs(capsys: pytest.CaptureFixture[str],
                                        expected_logprobs: tuple) -> None:
-    from photon.model.tiny import ensure_photon_tiny
+    from photon.model.tiny import ensure_photon_tiny_random
     from photon.tokenizer import Tokenizer
 
     token_ids, entries, cumulative = expected_logprobs
@@ -173,7 +173,7 @@ def test_generate_text_prints_logprobs(capsys: pytest.CaptureFixture[str],
                             "then the top 2")
     rows = lines[start + 1:]
     assert len(rows) == len(token_ids) == 8
-    tok = Tokenizer.from_pretrained(ensure_photon_tiny())
+    tok = Tokenizer.from_pretrained(ensure_photon_tiny_random())
     for i, (row, tid, entry) in enumerate(zip(rows, token_ids, entries)):
         fields = row.split()
         assert fields[0] == str(i)

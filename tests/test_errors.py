@@ -15,7 +15,7 @@ from photon import LLM, SamplingParams
 from photon.cli import main
 from photon.config import ConfigError
 from photon.errors import ParamError
-from photon.model.tiny import ensure_photon_tiny
+from photon.model.tiny import ensure_photon_tiny_random
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 VOCAB = 1024  # photon-tiny's vocab_size (tokenizer padded to a multiple of 64)
@@ -48,7 +48,7 @@ def cli_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 
 def copy_tiny(tmp_path: Path) -> Path:
     dst = tmp_path / "model"
-    shutil.copytree(ensure_photon_tiny(), dst)
+    shutil.copytree(ensure_photon_tiny_random(), dst)
     return dst
 
 

@@ -14,7 +14,7 @@ from photon.model.tiny import (
     PHOTON_TINY_DRAFT,
     PHOTON_TINY_RANDOM,
     builtin_model_path,
-    ensure_photon_tiny,
+    ensure_photon_tiny_random,
     is_random_weights,
     resolve_model_path,
 )
@@ -44,8 +44,8 @@ def _read_all(directory: str) -> dict[str, bytes]:
 
 
 def test_creation_is_deterministic(tmp_path: Path) -> None:
-    a = ensure_photon_tiny(str(tmp_path / "a"))
-    b = ensure_photon_tiny(str(tmp_path / "b"))
+    a = ensure_photon_tiny_random(str(tmp_path / "a"))
+    b = ensure_photon_tiny_random(str(tmp_path / "b"))
     files_a, files_b = _read_all(a), _read_all(b)
     assert set(files_a) >= {"config.json", "model.safetensors", "tokenizer.json",
                             "tokenizer_config.json", "generation_config.json", "README.md"}
@@ -90,7 +90,7 @@ def test_concurrent_creation(tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(4) as pool:
-        paths = list(pool.map(lambda _: ensure_photon_tiny(str(tmp_path)), range(4)))
+        paths = list(pool.map(lambda _: ensure_photon_tiny_random(str(tmp_path)), range(4)))
     assert len(set(paths)) == 1 and is_random_weights(paths[0])
     assert os.listdir(tmp_path) == ["photon-tiny-random-v1"]  # losers cleaned up their temp dirs
 
@@ -99,7 +99,7 @@ def test_incomplete_dir_is_rebuilt(tmp_path: Path) -> None:
     partial = tmp_path / "photon-tiny-random-v1"
     partial.mkdir()
     (partial / "config.json").write_text("{}")
-    path = ensure_photon_tiny(str(tmp_path))
+    path = ensure_photon_tiny_random(str(tmp_path))
     assert is_random_weights(path)
     assert Path(path, "model.safetensors").is_file()
 

@@ -55,7 +55,7 @@ _README = """# photon-tiny-random
 **RANDOM WEIGHTS — output is meaningless; for smoke tests and benchmarks.**
 
 A 4-layer Qwen3-architecture model (hidden 128) with a small byte-level BPE tokenizer, generated
-deterministically by `photon.model.tiny.ensure_photon_tiny()`. It is a real Hugging Face model
+deterministically by `photon.model.tiny.ensure_photon_tiny_random()`. It is a real Hugging Face model
 directory: `transformers` can load both the tokenizer and the model from it.
 """
 
@@ -148,7 +148,7 @@ def resolve_model_path(model: str | None, revision: str | None = None,
 def builtin_model_path(name: str) -> str:
     """The directory of one of BUILTIN_MODELS: the trained ones are package data."""
     if name == PHOTON_TINY_RANDOM:
-        return ensure_photon_tiny()
+        return ensure_photon_tiny_random()
     if name not in BUILTIN_MODELS:
         raise ConfigError(f"unknown built-in model {name!r}; built-in models: "
                           f"{', '.join(BUILTIN_MODELS)}")
@@ -170,10 +170,10 @@ def default_cache_dir() -> str:
         os.path.expanduser("~"), ".cache", "photon")
 
 
-def ensure_photon_tiny(cache_dir: str | None = None) -> str:
+def ensure_photon_tiny_random(cache_dir: str | None = None) -> str:
     """Return the photon-tiny-random directory, generating it first if it is missing or
     incomplete."""
-    return ensure_generated(_DIR_NAME, _FILES, write_photon_tiny, cache_dir)
+    return ensure_generated(_DIR_NAME, _FILES, write_photon_tiny_random, cache_dir)
 
 
 def ensure_generated(dir_name: str, files: tuple[str, ...], write: Callable[[str], None],
@@ -209,7 +209,7 @@ def _install(tmp: str, final: str, files: tuple[str, ...]) -> None:
             raise
 
 
-def write_photon_tiny(out_dir: str) -> None:
+def write_photon_tiny_random(out_dir: str) -> None:
     """Write every photon-tiny-random file into the existing directory `out_dir` (deterministic)."""
     from safetensors.torch import save_file
 
