@@ -100,7 +100,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 
 def print_model_notices(model: ModelConfig) -> None:
-    """Startup lines on stderr: random weights (photon-tiny), the model's default sampling
+    """Startup lines on stderr: random weights (photon-tiny-random), the model's default sampling
     parameters (its generation_config.json)."""
     from photon.model.tiny import is_random_weights
 

@@ -152,9 +152,10 @@ class EngineArgs:
     """Engine arguments, named as in vLLM. Every field is also a CLI flag (`--max-model-len`)."""
 
     model: str | None = field(default=None, metadata=_help(
-        "A local Hugging Face model directory or a Hugging Face hub id (e.g. Qwen/Qwen3-0.6B: "
-        "downloaded, or read from the cache when offline). Default: the built-in photon-tiny "
-        "(random weights)."))
+        "A built-in model name, a local Hugging Face model directory or a Hugging Face hub id "
+        "(e.g. Qwen/Qwen3-0.6B: downloaded, or read from the cache when offline). Default: the "
+        "built-in photon-tiny (trained on Python's standard library); photon-tiny-draft is its "
+        "speculative-decoding draft, photon-tiny-random has random weights (for tests)."))
     dtype: str = field(default="auto", metadata=_help(
         "Weights/activations dtype. auto = float32 on CPU, the checkpoint's dtype (bfloat16 if "
         "float32) on CUDA.", ("auto", *_DTYPES)))
@@ -331,10 +332,10 @@ def check_kv_capacity(usable_blocks: int, block_size: int, max_model_len: int,
 
 
 def _default_name(model: str | None, model_dir: str) -> str:
-    from photon.model.tiny import PHOTON_TINY
+    from photon.model.tiny import BUILTIN_MODELS, PHOTON_TINY
 
-    if model in (None, PHOTON_TINY):
-        return PHOTON_TINY
+    if model is None or model in BUILTIN_MODELS:
+        return model or PHOTON_TINY
     # A local directory is named by its folder, a hub id by itself (its snapshot folder is a hash).
     return os.path.basename(model_dir.rstrip("/")) if os.path.isdir(model) else model
 

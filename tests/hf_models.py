@@ -81,10 +81,10 @@ def make_engine_model(path: str, arch: str, **kwargs: object) -> str:
     import os
     import shutil
 
-    from photon.model.tiny import ensure_photon_tiny
+    from photon.model.tiny import ensure_photon_tiny_random
 
     make_hf_model(path, arch, vocab_size=1024, **kwargs)
-    tiny = ensure_photon_tiny()
+    tiny = ensure_photon_tiny_random()
     for name in TOKENIZER_FILES:
         shutil.copy(os.path.join(tiny, name), os.path.join(path, name))
     return path
@@ -113,3 +113,12 @@ def hf_log_softmax(path: str, ids: list[int]) -> torch.Tensor:
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def hf_tensor(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The HF tensor(s) behind a photon parameter (photon packs q/k/v and gate/up)."""
+    packs = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for packed, parts in packs.items():
+        if f".{packed}." in name:
+            return torch.cat([hf[name.replace(packed, part)] for part in parts])
+    return hf[name]

@@ -118,11 +118,12 @@ def _read_stderr(server: ServeProcess, started: threading.Event) -> None:
 
 @contextmanager
 def serve_process(*args: str, timeout: float = 300.0) -> Iterator[ServeProcess]:
-    """`photon serve` on photon-tiny on a free loopback port (`--port 0`), with
+    """`photon serve` on photon-tiny-random on a free loopback port (`--port 0`), with
     `--api-server-count` from PHOTON_TEST_API_SERVERS, yielded once it answers; on exit, it and
     every descendant are killed if still running, and it is reaped."""
     count = api_server_count()
-    cmd = [sys.executable, "-m", "photon.cli", "serve", "--port", "0", "--seed", "0",
+    cmd = [sys.executable, "-m", "photon.cli", "serve", "--model", "photon-tiny-random",
+           "--port", "0", "--seed", "0",
            "--api-server-count", str(count), *args]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)

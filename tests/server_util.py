@@ -22,7 +22,8 @@ from photon.server.admission import Admission
 from photon.server.app import build_app
 from photon.server.openai_serving import ServerConfig
 
-TINY_ARGS: dict[str, Any] = {"max_model_len": 256, "max_num_seqs": 32, "seed": 0}
+TINY_ARGS: dict[str, Any] = {"model": "photon-tiny-random", "max_model_len": 256,
+                             "max_num_seqs": 32, "seed": 0}
 
 
 @dataclass

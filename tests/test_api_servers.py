@@ -61,8 +61,8 @@ def _healthy(url: str) -> bool:
 @pytest.fixture()
 def server() -> Iterator[tuple[subprocess.Popen, str]]:
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "photon.cli", "serve", "--api-server-count",
-                             "2", "--port", str(port), "--log-level", "warning", *ARGS],
+    proc = subprocess.Popen([sys.executable, "-m", "photon.cli", "serve", "photon-tiny-random",
+                             "--api-server-count", "2", "--port", str(port), "--log-level", "warning", *ARGS],
                             stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -98,7 +98,7 @@ def test_two_api_servers_serve_one_engine(server: tuple[subprocess.Popen, str]) 
     proc, url = server
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda p: _complete(url, p), PROMPTS))
-    llm = LLM(max_model_len=256, max_num_seqs=16, seed=0)
+    llm = LLM("photon-tiny-random", max_model_len=256, max_num_seqs=16, seed=0)
     expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8),
                             use_tqdm=False)
     assert got == [o.outputs[0].text for o in expected]

@@ -142,9 +142,9 @@ def test_bad_sharegpt_files(content: str | None, says: str, tmp_path: Path,
     if content is not None:
         path.write_text(content)
     argv = ["--dataset-name", "sharegpt", "--dataset-path", str(path), "--tokenizer"]
-    from photon.model.tiny import ensure_photon_tiny
+    from photon.model.tiny import ensure_photon_tiny_random
 
-    assert says in _error(capsys, *argv, ensure_photon_tiny(), "--model", "m",
+    assert says in _error(capsys, *argv, ensure_photon_tiny_random(), "--model", "m",
                           "--random-vocab-size", "100")
 
 
@@ -165,10 +165,10 @@ def test_bad_dataset_flags(argv: list[str], says: str,
 
 def test_chat_prompts_shorter_than_the_template_are_refused(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from photon.model.tiny import ensure_photon_tiny
+    from photon.model.tiny import ensure_photon_tiny_random
 
     line = _error(capsys, "--endpoint", CHAT, "--random-input-len", "6", "--tokenizer",
-                  ensure_photon_tiny(), "--model", "m", "--random-vocab-size", "100")
+                  ensure_photon_tiny_random(), "--model", "m", "--random-vocab-size", "100")
     assert line.endswith("chat prompts of 6 tokens are too short: the chat template alone is 9 "
                          "tokens; ask for more (--random-input-len)")
 
@@ -192,14 +192,14 @@ def _run(capsys: pytest.CaptureFixture[str], url: str, *argv: str) -> dict[str, 
 
 def test_chat_prompts_have_exactly_the_requested_tokens(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from photon.model.tiny import ensure_photon_tiny
+    from photon.model.tiny import ensure_photon_tiny_random
 
     asked = [len(s.prompt) for s in random_requests(12, 60, 2, 0.6, 1024, seed=5)]
     argv = ["--endpoint", CHAT, "--num-prompts", "12", "--random-input-len", "60",
             "--random-output-len", "2", "--random-range-ratio", "0.6", "--seed", "5"]
     with live_server() as srv:
         runs = [_run(capsys, srv.base_url, *argv),  # counted by the server's /tokenize
-                _run(capsys, srv.base_url, *argv, "--tokenizer", ensure_photon_tiny())]
+                _run(capsys, srv.base_url, *argv, "--tokenizer", ensure_photon_tiny_random())]
     for s in runs:
         assert (s["completed"], s["failed"]) == (12, 0)
         assert [r["prompt_tokens"] for r in s["requests"]] == asked  # the server's usage
@@ -209,7 +209,7 @@ def test_chat_prompts_have_exactly_the_requested_tokens(
 
 def test_sharegpt_against_a_live_server(tmp_path: Path,
                                         capsys: pytest.CaptureFixture[str]) -> None:
-    from photon.model.tiny import ensure_photon_tiny
+    from photon.model.tiny import ensure_photon_tiny_random
     from photon.tokenizer import Tokenizer
 
     texts = ["the model reads this prompt", "please write a short story about a cat",
@@ -219,7 +219,7 @@ def test_sharegpt_against_a_live_server(tmp_path: Path,
             for i, t in enumerate(texts)]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(data))
-    tok = Tokenizer.from_pretrained(ensure_photon_tiny())
+    tok = Tokenizer.from_pretrained(ensure_photon_tiny_random())
     argv = ["--dataset-name", "sharegpt", "--dataset-path", str(path), "--num-prompts", "4",
             "--sharegpt-output-len", "3", "--seed", "1"]
     with live_server() as srv:

@@ -40,9 +40,9 @@ def make_think_model(path: str) -> str:
     """photon-tiny's weights with <think> / </think> added as (non-special) tokens, as Qwen3's."""
     from tokenizers import AddedToken, Tokenizer
 
-    from photon.model.tiny import ensure_photon_tiny
+    from photon.model.tiny import ensure_photon_tiny_random
 
-    tiny = ensure_photon_tiny()
+    tiny = ensure_photon_tiny_random()
     os.makedirs(path, exist_ok=True)
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         shutil.copy(os.path.join(tiny, name), os.path.join(path, name))
@@ -209,7 +209,7 @@ def test_grammar_starts_after_the_reasoning_end_token(pipelined: bool) -> None:
     """Until the end-of-reasoning token is committed the output is the unconstrained one
     (masks allow all); after it the schema holds. The end token is one the random model
     greedily produces, so the gate really opens mid-output."""
-    llm = LLM(max_model_len=160, pipelined=pipelined, structured_outputs_worker="inline")
+    llm = LLM("photon-tiny-random", max_model_len=160, pipelined=pipelined, structured_outputs_worker="inline")
     prompt = [5, 17, 230, 41, 9]
     free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0].token_ids

@@ -27,8 +27,8 @@ def _photon(*args: str) -> subprocess.CompletedProcess[str]:
 
 def _generate(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[str, str]:
     # --max-model-len 64 keeps the CPU KV cache small (fast); it does not change the tokens.
-    code = main(["generate", "--no-progress", "--temperature", "0", "--max-tokens", "8",
-                 "--max-model-len", "64", *args])
+    code = main(["generate", "--no-progress", "--model", "photon-tiny-random", "--temperature",
+                 "0", "--max-tokens", "8", "--max-model-len", "64", *args])
     out, err = capsys.readouterr()
     assert code == 0, err
     return out, err
@@ -37,7 +37,7 @@ def _generate(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[str, str]
 @pytest.fixture(scope="module")
 def expected() -> tuple[str, list[int]]:
     """Greedy reference from the Python API (the CLI must print the same)."""
-    out = LLM(max_model_len=64).generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    out = LLM("photon-tiny-random", max_model_len=64).generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     completion = out[0].outputs[0]
     return completion.text, completion.token_ids
 
@@ -73,7 +73,7 @@ def test_generate_prints_prompt_and_completion(capsys: pytest.CaptureFixture[str
     out, err = _generate(capsys, PROMPT)
     text, _ = expected
     assert out == f"--- prompt: {PROMPT!r} [length, 8 tokens]\n{PROMPT}{text}\n"
-    assert "[photon-tiny: RANDOM WEIGHTS - the text is meaningless]" in err
+    assert "[photon-tiny-random: RANDOM WEIGHTS - the text is meaningless]" in err
 
 
 def test_generate_json(capsys: pytest.CaptureFixture[str],
@@ -116,13 +116,16 @@ def test_seeded_sampling_is_reproducible_and_pipeline_independent(
     assert len(runs[0]) == 8
 
 
-def test_console_script_subprocess(expected: tuple[str, list[int]]) -> None:
-    """The README's command with default engine args, in a fresh process."""
+def test_console_script_subprocess() -> None:
+    """The README's command with default engine args, in a fresh process: the default model is
+    the trained photon-tiny, so no random-weights label, and the tokens are the Python API's."""
+    params = SamplingParams(temperature=0, max_tokens=8)
+    want = LLM(max_model_len=64).generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
     res = _photon("generate", "--temperature", "0", "--max-tokens", "8", "--json",
                   "--no-progress", PROMPT)
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["completions"][0]["token_ids"] == expected[1]
-    assert "RANDOM WEIGHTS" in res.stderr
+    assert json.loads(res.stdout)["completions"][0]["token_ids"] == want.token_ids
+    assert "RANDOM WEIGHTS" not in res.stderr
 
 
 # ---------------------------------------------------------------- logprobs
@@ -132,7 +135,7 @@ def test_console_script_subprocess(expected: tuple[str, list[int]]) -> None:
 def expected_logprobs() -> tuple[list[int], list[dict[int, Logprob]], float]:
     """Greedy reference with 3 top logprobs per token from the Python API."""
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=3)
-    (completion,) = LLM(max_model_len=64).generate(PROMPT, params, use_tqdm=False)[0].outputs
+    (completion,) = LLM("photon-tiny-random", max_model_len=64).generate(PROMPT, params, use_tqdm=False)[0].outputs
     return completion.token_ids, completion.logprobs, completion.cumulative_logprob
 
 
@@ -159,7 +162,7 @@ def test_generate_json_prints_logprobs(capsys: pytest.CaptureFixture[str],
 
 def test_generate_text_prints_logprobs(capsys: pytest.CaptureFixture[str],
                                        expected_logprobs: tuple) -> None:
-    from photon.model.tiny import ensure_photon_tiny
+    from photon.model.tiny import ensure_photon_tiny_random
     from photon.tokenizer import Tokenizer
 
     token_ids, entries, cumulative = expected_logprobs
@@ -170,7 +173,7 @@ def test_generate_text_prints_logprobs(capsys: pytest.CaptureFixture[str],
                             "then the top 2")
     rows = lines[start + 1:]
     assert len(rows) == len(token_ids) == 8
-    tok = Tokenizer.from_pretrained(ensure_photon_tiny())
+    tok = Tokenizer.from_pretrained(ensure_photon_tiny_random())
     for i, (row, tid, entry) in enumerate(zip(rows, token_ids, entries)):
         fields = row.split()
         assert fields[0] == str(i)
@@ -184,7 +187,7 @@ def test_generate_text_prints_logprobs(capsys: pytest.CaptureFixture[str],
 
 
 def test_generate_chat_prints_the_templated_prompt(capsys: pytest.CaptureFixture[str]) -> None:
-    llm = LLM(max_model_len=64)
+    llm = LLM("photon-tiny-random", max_model_len=64)
     tok = llm.get_tokenizer()
     templated = tok.apply_chat_template([{"role": "user", "content": PROMPT}])
     assert templated != PROMPT and PROMPT in templated

@@ -31,7 +31,7 @@ def test_decode_fast_path_equals_general_path(monkeypatch: pytest.MonkeyPatch) -
         return got
 
     monkeypatch.setattr(model_runner, "build_decode_inputs", both)
-    llm = LLM(block_size=4, max_num_seqs=8, max_model_len=128)
+    llm = LLM("photon-tiny-random", block_size=4, max_num_seqs=8, max_model_len=128)
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
               SamplingParams(temperature=0.9, top_k=5, top_p=0.8, seed=1, max_tokens=15,
                              min_tokens=6, stop_token_ids=[7], logprobs=2,

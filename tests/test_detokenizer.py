@@ -5,14 +5,14 @@ import random
 import pytest
 
 from photon.engine.detokenizer import IncrementalDetokenizer
-from photon.model.tiny import ensure_photon_tiny
+from photon.model.tiny import ensure_photon_tiny_random
 from photon.sampling_params import SamplingParams
 from photon.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    return Tokenizer.from_pretrained(ensure_photon_tiny(str(tmp_path_factory.mktemp("cache"))))
+    return Tokenizer.from_pretrained(ensure_photon_tiny_random(str(tmp_path_factory.mktemp("cache"))))
 
 
 PROMPT = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"

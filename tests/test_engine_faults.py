@@ -51,7 +51,7 @@ def test_staging_fault_fails_only_that_request(pipelined: bool,
     """One request faults in its first step and another joins running decodes and faults: both
     end with ABORT and the error, the others produce their usual tokens, and every KV block and
     pool row is free after the drain."""
-    llm = LLM(max_model_len=64, block_size=4, max_num_seqs=4, pipelined=pipelined)
+    llm = LLM("photon-tiny-random", max_model_len=64, block_size=4, max_num_seqs=4, pipelined=pipelined)
     core = llm.engine
     expected = {rid: _tokens(llm, p) for rid, p in PROMPTS.items()}
     _fault_for(FAULTY, monkeypatch)
@@ -81,7 +81,7 @@ def test_staging_fault_fails_only_that_request(pipelined: bool,
 
 def test_staging_fault_offline_raises_and_leaves_the_llm_usable(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = LLM(max_model_len=64, block_size=4, max_num_seqs=4)
+    llm = LLM("photon-tiny-random", max_model_len=64, block_size=4, max_num_seqs=4)
     expected = _tokens(llm, PROMPTS["a"])
     _fault_for({"bad"}, monkeypatch)  # the batch's second request
     with pytest.raises(ValueError, match=r"request 2: internal error: the request's inputs could "
@@ -95,7 +95,7 @@ def test_staging_fault_offline_raises_and_leaves_the_llm_usable(
 def test_huge_top_k_is_capped_at_the_vocabulary() -> None:
     """A top_k past int64 is capped at the vocabulary when the request is added: it keeps every
     token, as top_k off does, so the seeded tokens are the same."""
-    llm = LLM(max_model_len=64)
+    llm = LLM("photon-tiny-random", max_model_len=64)
     def seeded(top_k: int) -> SamplingParams:
         return SamplingParams(temperature=1.0, seed=5, top_k=top_k, max_tokens=8, ignore_eos=True)
 
@@ -109,7 +109,7 @@ def test_huge_top_k_is_capped_at_the_vocabulary() -> None:
 def test_interrupted_generate_leaves_nothing_running(monkeypatch: pytest.MonkeyPatch) -> None:
     """A KeyboardInterrupt between steps of `generate` aborts that call's requests and drains
     the steps in flight: the next call runs only its own request."""
-    llm = LLM(max_model_len=64, max_num_seqs=4)
+    llm = LLM("photon-tiny-random", max_model_len=64, max_num_seqs=4)
     core = llm.engine
     expected = _tokens(llm, PROMPTS["a"])
     real_step, steps = core.step, [0]
@@ -135,7 +135,7 @@ def test_ctrl_c_inside_a_step_is_taken_between_steps(monkeypatch: pytest.MonkeyP
     """A real SIGINT that arrives inside a step (here: in the commit's wait for the tokens)
     interrupts `generate` only after that step: the step's bookkeeping completes, the call's
     requests are aborted and drained, and the next call is clean."""
-    llm = LLM(max_model_len=64, max_num_seqs=4)
+    llm = LLM("photon-tiny-random", max_model_len=64, max_num_seqs=4)
     core = llm.engine
     expected = _tokens(llm, PROMPTS["a"])
     real_wait, waits = core.runner.wait, [0]
@@ -161,7 +161,7 @@ def test_ctrl_c_inside_a_step_is_taken_between_steps(monkeypatch: pytest.MonkeyP
 def test_llm_abort_ends_only_those_requests() -> None:
     """`LLM.abort` (as vLLM's `abort_request`): the aborted requests produce nothing more, the
     others run on; their steps in flight end with the next steps."""
-    llm = LLM(max_model_len=64, max_num_seqs=4)
+    llm = LLM("photon-tiny-random", max_model_len=64, max_num_seqs=4)
     core = llm.engine
     ids = [core.add_request(PROMPTS["a"], GREEDY, stream=False) for _ in range(3)]
     core.step()

@@ -104,7 +104,8 @@ _FRONT_END = textwrap.dedent("""
     import sys
     from photon.config import EngineArgs
     from photon.engine.async_llm import AsyncLLM
-    engine = AsyncLLM(EngineArgs(max_model_len=256, max_num_seqs=4, seed=0).create_config())
+    engine = AsyncLLM(EngineArgs(model="photon-tiny-random", max_model_len=256, max_num_seqs=4,
+                                 seed=0).create_config())
     engine.start()
     print(engine.client.proc.pid, flush=True)
     sys.stdin.read()  # until the test kills this process

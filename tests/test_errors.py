@@ -15,7 +15,7 @@ from photon import LLM, SamplingParams
 from photon.cli import main
 from photon.config import ConfigError
 from photon.errors import ParamError
-from photon.model.tiny import ensure_photon_tiny
+from photon.model.tiny import ensure_photon_tiny_random
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 VOCAB = 1024  # photon-tiny's vocab_size (tokenizer padded to a multiple of 64)
@@ -24,7 +24,7 @@ MAX_POS = 4096  # photon-tiny's max_position_embeddings
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(max_model_len=32)
+    return LLM("photon-tiny-random", max_model_len=32)
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -32,7 +32,8 @@ def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
 
     --max-model-len 64 keeps the CPU KV cache small (fast); a later flag in `args` overrides it.
     """
-    code = main(["generate", "--no-progress", "--max-tokens", "2", "--max-model-len", "64", *args])
+    code = main(["generate", "--no-progress", "--model", "photon-tiny-random", "--max-tokens", "2",
+                 "--max-model-len", "64", *args])
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return code, err
@@ -47,7 +48,7 @@ def cli_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 
 def copy_tiny(tmp_path: Path) -> Path:
     dst = tmp_path / "model"
-    shutil.copytree(ensure_photon_tiny(), dst)
+    shutil.copytree(ensure_photon_tiny_random(), dst)
     return dst
 
 
@@ -290,13 +291,13 @@ BAD_ENGINE: list[tuple[dict[str, Any], list[str], str]] = [
 def test_invalid_engine_args(kwargs: dict[str, Any], cli_args: list[str], msg: str,
                              capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match=re.escape(msg)):
-        LLM(**kwargs)
+        LLM("photon-tiny-random", **kwargs)
     assert msg in cli_error(capsys, "hi", *cli_args)
 
 
 def test_unknown_engine_kwarg(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(TypeError, match=re.escape("unknown engine arguments ['max_num_seq']")) as e:
-        LLM(max_num_seq=4)
+        LLM("photon-tiny-random", max_num_seq=4)
     assert "valid: model, dtype, max_model_len, max_num_seqs," in str(e.value)
     # The CLI rejects an unknown flag in argparse (usage error, exit code 2).
     with pytest.raises(SystemExit) as exit_info:
@@ -318,15 +319,15 @@ def test_kv_cache_smaller_than_one_request_refuses_to_start(
            "num_gpu_blocks_override (--num-gpu-blocks-override), or lower max_model_len "
            "(--max-model-len) to at most 640")
     with pytest.raises(ConfigError, match=re.escape(msg)):
-        LLM(num_gpu_blocks_override=40, block_size=16)
+        LLM("photon-tiny-random", num_gpu_blocks_override=40, block_size=16)
     err = cli_error(capsys, "--num-gpu-blocks-override", "2", "--block-size", "16", "hi")
     assert ("the KV cache has 2 blocks of 16 tokens (32 tokens), but one request of "
             "max_model_len=64 tokens needs 4 blocks") in err
     with pytest.raises(ConfigError, match=re.escape(
             "raise kv_cache_memory_bytes (--kv-cache-memory-bytes)")):
-        LLM(kv_cache_memory_bytes=1, block_size=16)
+        LLM("photon-tiny-random", kv_cache_memory_bytes=1, block_size=16)
     # At the limit it starts, and a max_model_len request runs.
-    llm = LLM(num_gpu_blocks_override=2, block_size=16, max_model_len=32)
+    llm = LLM("photon-tiny-random", num_gpu_blocks_override=2, block_size=16, max_model_len=32)
     out = llm.generate([5] * 10, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 22

@@ -16,7 +16,7 @@ import pytest
 from photon import LLM, SamplingParams
 from photon.cli import main
 from photon.config import ConfigError, EngineArgs
-from photon.model.tiny import ensure_photon_tiny
+from photon.model.tiny import ensure_photon_tiny_random
 from photon.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.server_util import LiveServer, in_process_only, live_server
 
@@ -29,7 +29,7 @@ PROMPT = [5, 17, 42, 99, 7]
 def model_with(tmp_path: Path, name: str, **fields: Any) -> Path:
     """photon-tiny with `fields` added to its generation_config.json."""
     dst = tmp_path / name
-    shutil.copytree(ensure_photon_tiny(), dst)
+    shutil.copytree(ensure_photon_tiny_random(), dst)
     write_generation_config(dst, **fields)
     return dst
 
@@ -56,7 +56,7 @@ def test_auto_vllm_and_folder(tmp_path: Path) -> None:
     write_generation_config(other, temperature=0.3, max_new_tokens=2, eos_token_id=1)
     assert defaults_of(model, str(other)) == {"temperature": 0.3, "max_tokens": 2}
     # photon-tiny's own file sets no sampling field.
-    assert defaults_of(Path(ensure_photon_tiny())) == {}
+    assert defaults_of(Path(ensure_photon_tiny_random())) == {}
 
 
 def test_bad_generation_config(tmp_path: Path) -> None:

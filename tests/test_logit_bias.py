@@ -20,7 +20,7 @@ PROMPT = [5, 17, 300, 42, 9]
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(max_model_len=128, block_size=4, max_num_seqs=8)
+    return LLM("photon-tiny-random", max_model_len=128, block_size=4, max_num_seqs=8)
 
 
 def _tokens(llm: LLM, params: SamplingParams | list[SamplingParams],
@@ -70,7 +70,7 @@ def test_pipelined_equals_blocking_with_biases() -> None:
     kw = dict(max_model_len=128, block_size=4, max_num_seqs=5, max_num_batched_tokens=24)
     results = []
     for pipelined in (True, False):
-        llm = LLM(pipelined=pipelined, **kw)
+        llm = LLM("photon-tiny-random", pipelined=pipelined, **kw)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append([(c.token_ids, c.cumulative_logprob) for o in outs for c in o.outputs])
         llm.engine.assert_drained()

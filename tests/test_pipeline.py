@@ -99,7 +99,7 @@ def run(llm: LLM, specs: list[Spec], eos: frozenset[int] | None = None) -> tuple
 
 
 def _engine(pipelined: bool, **kw: object) -> LLM:
-    return LLM(**{"pipelined": pipelined, "max_model_len": 256, **kw})
+    return LLM("photon-tiny-random", **{"pipelined": pipelined, "max_model_len": 256, **kw})
 
 
 def _mixed_specs() -> list[Spec]:

@@ -58,7 +58,7 @@ class CountLog:
 
 
 def _engine(pipelined: bool, budget: int = 64) -> EngineCore:
-    llm = LLM(pipelined=pipelined, max_model_len=64, block_size=4, max_num_seqs=4,
+    llm = LLM("photon-tiny-random", pipelined=pipelined, max_model_len=64, block_size=4, max_num_seqs=4,
               max_num_batched_tokens=budget)
     assert llm.engine.pipeline.depth == (2 if pipelined else 1)
     return llm.engine

@@ -14,7 +14,7 @@ PROMPTS = ["The quick brown fox", "def main():\n    return", "JSON: {\"a\": [1, 
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(max_num_batched_tokens=32, block_size=8, max_num_seqs=8, max_model_len=512)
+    return LLM("photon-tiny-random", max_num_batched_tokens=32, block_size=8, max_num_seqs=8, max_model_len=512)
 
 
 def _ids(outs: list) -> list[list[int]]:
@@ -129,8 +129,8 @@ def test_forced_preemption_gives_identical_outputs(pipelined: bool) -> None:
     prompts = [p * 3 for p in PROMPTS]
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True)] * 2
-    roomy = LLM(block_size=4, max_num_batched_tokens=64, pipelined=pipelined)
-    tight = LLM(block_size=4, max_num_batched_tokens=64, pipelined=pipelined,
+    roomy = LLM("photon-tiny-random", block_size=4, max_num_batched_tokens=64, pipelined=pipelined)
+    tight = LLM("photon-tiny-random", block_size=4, max_num_batched_tokens=64, pipelined=pipelined,
                 num_gpu_blocks_override=40, max_model_len=160)
     expected = _ids(roomy.generate(prompts, params, use_tqdm=False))
     assert _ids(tight.generate(prompts, params, use_tqdm=False)) == expected

@@ -22,7 +22,7 @@ from tests.server_util import (
 )
 
 KEY = "test-key"
-MODEL = "photon-tiny"
+MODEL = "photon-tiny-random"
 
 
 @pytest.fixture(scope="module")

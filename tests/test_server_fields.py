@@ -14,7 +14,7 @@ from photon import LLM, SamplingParams
 from photon.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.server_util import LiveServer, live_server, openai_client
 
-MODEL = "photon-tiny"
+MODEL = "photon-tiny-random"
 PROMPT = "The quick brown fox"
 
 
@@ -29,7 +29,7 @@ def _prompt_ids(server: LiveServer, text: str) -> list[int]:
 
 
 def _reference_prompt_logprobs(ids: list[int]) -> list[dict]:
-    out = LLM(max_model_len=256, seed=0).generate(
+    out = LLM("photon-tiny-random", max_model_len=256, seed=0).generate(
         [ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
     return out.prompt_logprobs
 
@@ -99,7 +99,7 @@ def test_logit_bias_forces_and_bans(server: LiveServer) -> None:
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0,
         logit_bias={str(forced_id): 100})
     assert chat.choices[0].message.content == "AA"
-    greedy = LLM(max_model_len=256, seed=0).generate(
+    greedy = LLM("photon-tiny-random", max_model_len=256, seed=0).generate(
         [_prompt_ids(server, PROMPT)], SamplingParams(temperature=0, max_tokens=1),
         use_tqdm=False)[0].outputs[0].token_ids[0]
     banned = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0,

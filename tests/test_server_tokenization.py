@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from photon.model.tiny import ensure_photon_tiny
+from photon.model.tiny import ensure_photon_tiny_random
 from photon.server.tokenization import CharBound, char_bound
 from photon.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny() -> Tokenizer:
-    return Tokenizer.from_pretrained(ensure_photon_tiny())
+    return Tokenizer.from_pretrained(ensure_photon_tiny_random())
 
 
 def variant(tok: Tokenizer, **changes: Any) -> Tokenizer:

@@ -1,4 +1,4 @@
-"""Tool calling over HTTP with the official openai client, on photon-tiny (random weights) with
+"""Tool calling over HTTP with the official openai client, on photon-tiny-random with
 a Qwen-style chat template that renders `tools`, assistant `tool_calls` and `tool` messages.
 
 Forced choices (a named function, "required") must give arguments valid for the function's
@@ -21,7 +21,7 @@ import pytest
 
 from photon.cli import build_parser
 from photon.config import EngineArgs
-from photon.model.tiny import ensure_photon_tiny
+from photon.model.tiny import ensure_photon_tiny_random
 from photon.server.app import build_app
 from photon.server.launch import server_config
 from photon.server.openai_serving import ServerConfig
@@ -54,13 +54,13 @@ TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name}
                                            "parameters": schema}}
          for name, schema in SCHEMAS.items()]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-MODEL = "photon-tiny"
+MODEL = "photon-tiny-random"
 PARSERS = ("hermes", "llama3_json", "mistral")
 
 
 def _model_dir(root: str) -> str:
     path = os.path.join(root, "tiny-tools")
-    shutil.copytree(ensure_photon_tiny(), path)
+    shutil.copytree(ensure_photon_tiny_random(), path)
     config_path = os.path.join(path, "tokenizer_config.json")
     with open(config_path, encoding="utf-8") as f:
         config = json.load(f)

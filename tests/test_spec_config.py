@@ -124,3 +124,13 @@ def test_the_engine_refuses_unsupported_speculation_in_one_place() -> None:
     with pytest.raises(ConfigError, match="num_speculative_tokens must be an integer"):
         EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 99}
                    ).create_config()
+
+
+def test_adaptive_is_photons_key_and_must_be_a_bool() -> None:
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2}).adaptive
+    off = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
+                                    "adaptive": False})
+    assert off.adaptive is False
+    with pytest.raises(ConfigError, match="adaptive must be true or false, got 'no'"):
+        parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
+                                  "adaptive": "no"})

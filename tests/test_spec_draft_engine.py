@@ -32,7 +32,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 def _llm(model: str, draft: str | None, k: int = 3, pipelined: bool = True,
          **kw: object) -> LLM:
     spec = None if draft is None else {"method": "draft_model", "model": draft,
-                                       "num_speculative_tokens": k}
+                                       "num_speculative_tokens": k, "adaptive": False}
     return LLM(**{"model": model, "dtype": "float32", "pipelined": pipelined,
                   "max_model_len": 128, "speculative_config": spec, **kw})
 
@@ -45,7 +45,7 @@ def _greedy(llm: LLM, prompts: list[str] | list[list[int]]) -> list[list[int]]:
 
 def _counters(llm: LLM) -> tuple[int, int]:
     c = llm.engine.runner.spec.counters
-    return c.num_spec_rows, c.num_accepted_tokens
+    return c.num_drafts, c.num_accepted_tokens
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,10 @@ from tests.test_structured_pipeline import SCHEMA
 
 def _llm(pipelined: bool, k: int | None = None, **kw: object) -> LLM:
     spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k,
-                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    return LLM(**{"pipelined": pipelined, "max_model_len": 256, "speculative_config": spec,
-                  **kw})
+                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+                                   "adaptive": False}
+    return LLM(**{"model": "photon-tiny-random", "pipelined": pipelined, "max_model_len": 256,
+                  "speculative_config": spec, **kw})
 
 
 def _accepted(llm: LLM) -> int:
@@ -189,7 +190,7 @@ def test_grammar_requests_run_as_plain_rows_beside_speculative_ones() -> None:
 
 
 def test_which_requests_speculate() -> None:
-    """Grammar and min_tokens requests are plain (spec_k 0); the others speculate."""
+    """Grammar requests are plain (spec_k 0); the others speculate, min_tokens ones too."""
     llm = _llm(True, 2)
     core = llm.engine
     core.add_request([5, 6, 7], GREEDY, request_id="plain")
@@ -197,7 +198,7 @@ def test_which_requests_speculate() -> None:
     core.add_request([5, 6, 7], SamplingParams(max_tokens=8, structured_outputs=SO(
         json=SCHEMA)), request_id="grammar")
     by_id = {r.request_id: r.spec_k for r in core.scheduler.requests.values()}
-    assert by_id == {"plain": 2, "min": 0, "grammar": 0}
+    assert by_id == {"plain": 2, "min": 2, "grammar": 0}
     for rid in ("plain", "min", "grammar"):
         core.abort(rid)
     while core.has_unfinished() or not core.pipeline.idle:

@@ -53,7 +53,7 @@ num ::= [1-9] [0-9]{0,2} | "0"
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(max_model_len=512, max_num_seqs=16)
+    return LLM("photon-tiny-random", max_model_len=512, max_num_seqs=16)
 
 
 def _generate(llm: LLM, spec: SO, max_tokens: int = 300) -> list[tuple[str, str | None]]:
@@ -187,7 +187,7 @@ def test_compile_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     """A compile still running at the request's deadline fails it (and any other request
     waiting for it), frees its compile slot and is not cached: the next grammars compile while
     the expired ones still run."""
-    llm = LLM(max_model_len=256, structured_outputs_timeout=0.1)
+    llm = LLM("photon-tiny-random", max_model_len=256, structured_outputs_timeout=0.1)
     gate = threading.Event()
     _gated_regex_compiles(llm, monkeypatch, gate)
     core, manager = llm.engine, llm.engine.structured
@@ -214,7 +214,7 @@ def test_compile_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_compiling_request_does_not_block_others(monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = LLM(max_model_len=256)
+    llm = LLM("photon-tiny-random", max_model_len=256)
     gate = threading.Event()
     started = _gated_regex_compiles(llm, monkeypatch, gate)
     core = llm.engine
@@ -403,7 +403,7 @@ def test_grammar_rejection_aborts_only_that_request(monkeypatch: pytest.MonkeyPa
     """A matcher rejecting a committed token (an engine bug: the mask forbids it) ends that
     request with finish_reason "abort" and an error; the other requests and the engine go on.
     (Inline executor: the rejection is injected into the engine process's backend.)"""
-    core = LLM(max_model_len=512, max_num_seqs=16, structured_outputs_worker="inline").engine
+    core = LLM("photon-tiny-random", max_model_len=512, max_num_seqs=16, structured_outputs_worker="inline").engine
     backend = core.structured.backend
     real = backend.accept_tokens
     calls = {"n": 0}
@@ -520,7 +520,7 @@ def test_dead_worker_releases_fences() -> None:
 
     from photon.structured.worker import ProcessExecutor
 
-    llm = LLM(max_model_len=256, max_num_seqs=4)
+    llm = LLM("photon-tiny-random", max_model_len=256, max_num_seqs=4)
     executor = llm.engine.structured.executor
     assert isinstance(executor, ProcessExecutor)
     assert llm.engine.structured.start(wait_s=120)
@@ -541,7 +541,7 @@ def test_worker_death_mid_run_fails_only_grammar_requests(pipelined: bool) -> No
     block and row is freed, and the engine serves plain requests afterwards."""
     import signal
 
-    core = LLM(max_model_len=256, max_num_seqs=8, pipelined=pipelined).engine
+    core = LLM("photon-tiny-random", max_model_len=256, max_num_seqs=8, pipelined=pipelined).engine
     assert core.structured.start(wait_s=120)
     spec = SO(json=SCHEMAS[0])
     for i in range(2):
@@ -561,7 +561,7 @@ def test_worker_death_mid_run_fails_only_grammar_requests(pipelined: bool) -> No
         assert g.outputs[0].finish_reason == "abort"
         assert "structured outputs are unavailable" in g.error
         assert p.error is None and p.outputs[0].finish_reason == "length"
-        alone = LLM(max_model_len=256, max_num_seqs=8).generate(
+        alone = LLM("photon-tiny-random", max_model_len=256, max_num_seqs=8).generate(
             [f"p{i}"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
             use_tqdm=False)[0]
         assert p.outputs[0].token_ids == alone.outputs[0].token_ids  # greedy: unchanged
@@ -581,7 +581,7 @@ def test_grammar_worker_lifecycle() -> None:
     from photon.engine.async_engine import AsyncEngine
 
     def started() -> tuple[LLM, object]:
-        llm = LLM(max_model_len=256, max_num_seqs=4)
+        llm = LLM("photon-tiny-random", max_model_len=256, max_num_seqs=4)
         out = llm.generate(["a"], SamplingParams(max_tokens=4, structured_outputs=SO(regex="[a-z]+")),
                            use_tqdm=False)[0]
         assert out.outputs[0].token_ids

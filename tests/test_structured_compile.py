@@ -63,7 +63,7 @@ def test_limits_reject_with_the_limit_and_the_value(spec: SO, words: str) -> Non
 
 
 def test_limits_are_engine_args() -> None:
-    llm = LLM(max_model_len=128, structured_outputs_max_chars=50,
+    llm = LLM("photon-tiny-random", max_model_len=128, structured_outputs_max_chars=50,
               structured_outputs_worker="inline")
     with pytest.raises(ValueError, match="at most 50 are allowed .structured_outputs_max_chars"):
         llm.generate("x", SamplingParams(structured_outputs=SO(regex="[a-z]" * 20)),
@@ -156,7 +156,7 @@ def tokenizer():  # noqa: ANN201
     from photon.model.tiny import resolve_model_path
     from photon.tokenizer import Tokenizer
 
-    return Tokenizer.from_pretrained(resolve_model_path(None))
+    return Tokenizer.from_pretrained(resolve_model_path("photon-tiny-random"))
 
 
 def _manager(tokenizer, worker: str = "inline", **kw) -> StructuredOutputManager:  # noqa: ANN001

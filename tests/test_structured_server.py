@@ -32,7 +32,7 @@ def client(server: LiveServer) -> openai.OpenAI:
 def test_chat_response_format_json_schema(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}
     resp = client.chat.completions.create(
-        model="photon-tiny", messages=[{"role": "user", "content": "A city, please."}],
+        model="photon-tiny-random", messages=[{"role": "user", "content": "A city, please."}],
         response_format=fmt, max_tokens=150, n=3, seed=7)
     for choice in resp.choices:
         assert choice.finish_reason == "stop"
@@ -41,7 +41,7 @@ def test_chat_response_format_json_schema(client: openai.OpenAI) -> None:
 
 def test_streamed_completion_json_schema(client: openai.OpenAI) -> None:
     stream = client.completions.create(
-        model="photon-tiny", prompt="JSON:", max_tokens=150, stream=True, seed=3,
+        model="photon-tiny-random", prompt="JSON:", max_tokens=150, stream=True, seed=3,
         extra_body={"response_format": {"type": "json_schema",
                                         "json_schema": {"name": "p", "schema": SCHEMA}}})
     text, finish = "", None
@@ -54,18 +54,18 @@ def test_streamed_completion_json_schema(client: openai.OpenAI) -> None:
 
 def test_structured_outputs_field(client: openai.OpenAI) -> None:
     resp = client.completions.create(
-        model="photon-tiny", prompt="Pick:", max_tokens=20, seed=1,
+        model="photon-tiny-random", prompt="Pick:", max_tokens=20, seed=1,
         extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
     assert resp.choices[0].text in ("red", "green", "blue")
     resp = client.completions.create(
-        model="photon-tiny", prompt="Num:", max_tokens=20, seed=1,
+        model="photon-tiny-random", prompt="Num:", max_tokens=20, seed=1,
         extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{2}"}})
     assert len(resp.choices[0].text) == 6 and resp.choices[0].finish_reason == "stop"
 
 
 def test_json_object(client: openai.OpenAI) -> None:
     resp = client.chat.completions.create(
-        model="photon-tiny", messages=[{"role": "user", "content": "JSON"}],
+        model="photon-tiny-random", messages=[{"role": "user", "content": "JSON"}],
         response_format={"type": "json_object"}, max_tokens=30)
     assert resp.choices[0].message.content.startswith("{")
 
@@ -85,8 +85,8 @@ def test_json_object(client: openai.OpenAI) -> None:
 def test_invalid_structured_outputs_is_400(client: openai.OpenAI, server: LiveServer,
                                            extra: dict, words: str) -> None:
     with pytest.raises(openai.BadRequestError, match=words):
-        client.completions.create(model="photon-tiny", prompt="x", max_tokens=5,
+        client.completions.create(model="photon-tiny-random", prompt="x", max_tokens=5,
                                   extra_body=extra)
-    resp = client.completions.create(model="photon-tiny", prompt="still fine", max_tokens=3)
+    resp = client.completions.create(model="photon-tiny-random", prompt="still fine", max_tokens=3)
     assert resp.choices[0].finish_reason is not None
     assert server.engine.healthy

@@ -9,8 +9,12 @@ import pytest
 from photon.config import ConfigError
 from photon.model.hf_config import load_hf_config
 from photon.model.tiny import (
+    BUILTIN_MODELS,
     PHOTON_TINY,
-    ensure_photon_tiny,
+    PHOTON_TINY_DRAFT,
+    PHOTON_TINY_RANDOM,
+    builtin_model_path,
+    ensure_photon_tiny_random,
     is_random_weights,
     resolve_model_path,
 )
@@ -32,7 +36,7 @@ UNICODE_SAMPLES = [
 @pytest.fixture()
 def tiny_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("PHOTON_CACHE_DIR", str(tmp_path / "cache"))
-    return resolve_model_path(None)
+    return resolve_model_path(PHOTON_TINY_RANDOM)
 
 
 def _read_all(directory: str) -> dict[str, bytes]:
@@ -40,8 +44,8 @@ def _read_all(directory: str) -> dict[str, bytes]:
 
 
 def test_creation_is_deterministic(tmp_path: Path) -> None:
-    a = ensure_photon_tiny(str(tmp_path / "a"))
-    b = ensure_photon_tiny(str(tmp_path / "b"))
+    a = ensure_photon_tiny_random(str(tmp_path / "a"))
+    b = ensure_photon_tiny_random(str(tmp_path / "b"))
     files_a, files_b = _read_all(a), _read_all(b)
     assert set(files_a) >= {"config.json", "model.safetensors", "tokenizer.json",
                             "tokenizer_config.json", "generation_config.json", "README.md"}
@@ -50,9 +54,9 @@ def test_creation_is_deterministic(tmp_path: Path) -> None:
 
 
 def test_reuse_and_resolve(tiny_dir: str, tmp_path: Path) -> None:
-    assert tiny_dir == str(tmp_path / "cache" / "photon-tiny-v1")
+    assert tiny_dir == str(tmp_path / "cache" / "photon-tiny-random-v1")
     mtime = os.stat(os.path.join(tiny_dir, "model.safetensors")).st_mtime_ns
-    assert resolve_model_path(PHOTON_TINY) == tiny_dir
+    assert resolve_model_path(PHOTON_TINY_RANDOM) == tiny_dir
     assert os.stat(os.path.join(tiny_dir, "model.safetensors")).st_mtime_ns == mtime
     assert resolve_model_path(tiny_dir) == tiny_dir
     with pytest.raises(ConfigError, match="does not exist"):
@@ -61,20 +65,41 @@ def test_reuse_and_resolve(tiny_dir: str, tmp_path: Path) -> None:
         resolve_model_path(str(tmp_path))
 
 
+def test_builtin_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """photon-tiny (the default) and photon-tiny-draft are the trained package directories, with
+    no random-weights marker; photon-tiny-random is generated; served under their own names."""
+    from photon.config import EngineArgs
+
+    monkeypatch.setenv("PHOTON_CACHE_DIR", str(tmp_path / "cache"))
+    package = Path(__file__).resolve().parents[1] / "photon" / "assets"
+    assert resolve_model_path(None) == resolve_model_path(PHOTON_TINY) == str(package / PHOTON_TINY)
+    assert resolve_model_path(PHOTON_TINY_DRAFT) == str(package / PHOTON_TINY_DRAFT)
+    for name in (PHOTON_TINY, PHOTON_TINY_DRAFT):
+        assert not is_random_weights(resolve_model_path(name))
+        assert "photon_training" in load_hf_config(resolve_model_path(name))
+    assert is_random_weights(resolve_model_path(PHOTON_TINY_RANDOM))
+    assert not os.path.exists(package / PHOTON_TINY_RANDOM)  # generated, never shipped
+    for name in (None, *BUILTIN_MODELS):
+        config = EngineArgs(model=name).create_config()
+        assert config.model.served_model_name == (name or PHOTON_TINY)
+    with pytest.raises(ConfigError, match="built-in models: photon-tiny, photon-tiny-draft"):
+        builtin_model_path("photon-huge")
+
+
 def test_concurrent_creation(tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(4) as pool:
-        paths = list(pool.map(lambda _: ensure_photon_tiny(str(tmp_path)), range(4)))
+        paths = list(pool.map(lambda _: ensure_photon_tiny_random(str(tmp_path)), range(4)))
     assert len(set(paths)) == 1 and is_random_weights(paths[0])
-    assert os.listdir(tmp_path) == ["photon-tiny-v1"]  # losers cleaned up their temp dirs
+    assert os.listdir(tmp_path) == ["photon-tiny-random-v1"]  # losers cleaned up their temp dirs
 
 
 def test_incomplete_dir_is_rebuilt(tmp_path: Path) -> None:
-    partial = tmp_path / "photon-tiny-v1"
+    partial = tmp_path / "photon-tiny-random-v1"
     partial.mkdir()
     (partial / "config.json").write_text("{}")
-    path = ensure_photon_tiny(str(tmp_path))
+    path = ensure_photon_tiny_random(str(tmp_path))
     assert is_random_weights(path)
     assert Path(path, "model.safetensors").is_file()
 

@@ -23,6 +23,7 @@ from photon.train.fit import build_model, fit, load_trained
 from photon.train.loop import MIN_LR_RATIO, FitSettings, lr_at
 from photon.train.presets import PRESETS, count_params, get_preset
 from photon.train.tokenizer import HELDOUT_FILE, Manifest, load_stream, prepare
+from tests.hf_models import hf_tensor
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 NUM_FILES = 40
@@ -141,15 +142,6 @@ def test_saved_config_records_training(trained: tuple[str, object], data_dir: st
     assert "perplexity" in Path(out, "README.md").read_text(encoding="utf-8")
 
 
-def _hf_tensor(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """The HF tensor(s) behind a photon parameter (photon packs q/k/v and gate/up)."""
-    packs = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-    for packed, parts in packs.items():
-        if f".{packed}." in name:
-            return torch.cat([hf[name.replace(packed, part)] for part in parts])
-    return hf[name]
-
-
 def test_photon_loads_the_saved_weights_bit_exactly(trained: tuple[str, object]) -> None:
     out, _ = trained
     hf = load_trained(out, torch.device("cpu")).to(torch.bfloat16).state_dict()
@@ -161,7 +153,7 @@ def test_photon_loads_the_saved_weights_bit_exactly(trained: tuple[str, object])
     params = dict(model.named_parameters())
     assert len(params) > 5
     for name, param in params.items():
-        expected = _hf_tensor(hf, name)
+        expected = hf_tensor(hf, name)
         assert param.dtype == expected.dtype == torch.bfloat16, name
         assert torch.equal(param, expected), name
     # the float32 -> bf16 -> float32 trip in load_trained is exact: bf16 is the saved dtype

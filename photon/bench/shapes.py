@@ -15,7 +15,7 @@ import shutil
 from typing import Any
 
 from photon.bench.tokenizer import ensure_bench_tokenizer
-from photon.model.tiny import ensure_photon_tiny
+from photon.model.tiny import ensure_photon_tiny_random
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": {
@@ -57,7 +57,7 @@ def materialize_shape(name: str, out_dir: str) -> str:
 def attach_tokenizer(model_dir: str, small: bool = False) -> str:
     """Give a tokenizer-less model dir (e.g. a peer benchmark's saved weights) the benchmark
     BPE tokenizer (`small`: photon-tiny's), so the engine can load it and detokenize."""
-    source = ensure_photon_tiny() if small else ensure_bench_tokenizer()
+    source = ensure_photon_tiny_random() if small else ensure_bench_tokenizer()
     for fname in ("tokenizer.json", "tokenizer_config.json"):
         if not os.path.exists(os.path.join(model_dir, fname)):
             shutil.copy(os.path.join(source, fname), os.path.join(model_dir, fname))

@@ -105,8 +105,10 @@ def run_throughput(ns: argparse.Namespace) -> int:
         workload = fit_vocab(workload, llm.config.model.vocab_size)
         if ns.warmup_prompts > 0:
             _warmup(llm, ns)
+        before = llm.engine.spec_stats()
         elapsed, output_tokens = _timed_generate(llm, workload)
         summary = _summary(ns, llm, workload, elapsed, output_tokens, ceilings)
+        summary.update(_spec_summary(before, llm.engine.spec_stats()))
     if summary["dollars_per_million_output_tokens"] is not None:
         _log(f"cost: ${summary['dollars_per_million_output_tokens']:.4f} per million output "
              f"tokens at ${ns.gpu_cost_per_hour}/GPU-hour")
@@ -116,6 +118,18 @@ def run_throughput(ns: argparse.Namespace) -> int:
             f.write(line + "\n")
     print(line, flush=True)
     return 0
+
+
+def _spec_summary(before: Any, after: Any) -> dict[str, Any]:
+    """The timed run's speculative decoding fields (the warm-up's counts left out)."""
+    from photon.spec.stats import acceptance_summary
+
+    fields = acceptance_summary(None if after is None else after.since(before))
+    if after is not None:
+        rates = ", ".join(f"{r:.3f}" for r in fields["spec_acceptance_rate_per_pos"])
+        _log(f"speculative decoding: mean acceptance length "
+             f"{fields['spec_mean_acceptance_length']:.3f}, acceptance per position [{rates}]")
+    return fields
 
 
 def _cpu_sized_defaults(ns: argparse.Namespace) -> None:

@@ -39,8 +39,11 @@ class StepInputs(Generic[T]):
     prompt_lens: T
     sample_seq_lens: T  # its known tokens after this step's forward
     sample_pool_idx: T  # where the sampled token goes in the token pool
-    ban_rows: T  # (sampling row, token) pairs banned (min_tokens)
+    ban_rows: T  # (sampling row, token) pairs banned (min_tokens) ...
     ban_tokens: T
+    # ... while the row's output index (`counters`, resolved on the device for speculative
+    # rows) is below this: the request's min_tokens
+    ban_until: T
     bias_rows: T  # (sampling row, token, value) triples added to the logits (logit_bias)
     bias_tokens: T
     # Prompt logprobs: hidden-state index and prompt token of every prompt token scored.

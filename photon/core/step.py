@@ -38,12 +38,13 @@ class NewRequest:
 class ScheduledRow:
     """One request's slice of a step: positions [start, start + num_tokens).
 
-    A speculative row (spec = K > 0) verifies K draft tokens: it queries K + 1 positions, the
+    A speculative row (speculative, spec = K_eff) verifies K_eff of the drafts: it queries
+    K_eff + 1 positions, the
     request's last known token and the K drafts the runner proposed after its previous sampling
     row. Their positions are resolved on the device from the request's known length there (the
     host plans before the previous step's accepted counts exist): `start` is only the host's upper
     bound of the first query position, so `seq_len` bounds the row's context, and `out_index` is a
-    lower bound of the first token's output index. The row commits 1 to K + 1 tokens.
+    lower bound of the first token's output index. The row commits 1 to K_eff + 1 tokens.
     """
 
     req_index: int
@@ -52,7 +53,10 @@ class ScheduledRow:
     sample: bool  # the row reaches the request's known length: sample its next token
     out_index: int  # output index of the sampled token (the counter of the RNG)
     block_ids: list[int]  # the request's blocks (in process: the KV manager's list, read-only)
-    spec: int = 0  # K: the draft positions this row verifies; 0: a plain row
+    spec: int = 0  # K_eff: the draft positions this row verifies (0..K)
+    # A speculative row: positions resolved on the device (also with K_eff = 0: one query
+    # position at the device's length, while the request's earlier rows may be in flight).
+    speculative: bool = False
 
     @property
     def seq_len(self) -> int:

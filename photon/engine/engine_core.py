@@ -35,6 +35,8 @@ from photon.engine.scheduler import Scheduler
 from photon.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from photon.reasoning import ReasoningParser, get_reasoning_parser
 from photon.sampling_params import SamplingParams
+from photon.spec.adaptive import AdaptiveSpec
+from photon.spec.stats import SpecDecodingStats
 from photon.structured.manager import StructuredOutputManager
 from photon.structured.step import GrammarStep
 from photon.tokenizer import Tokenizer
@@ -52,6 +54,7 @@ class EngineStats:
     prefix_queries: int  # tokens looked up in the prefix cache (cumulative)
     prefix_hits: int  # tokens found (cumulative)
     num_preemptions: int  # cumulative
+    spec_decoding: SpecDecodingStats | None = None  # cumulative; None without speculation
 
 
 @dataclass
@@ -95,6 +98,8 @@ class EngineCore:
                                    spec_k=spec.k if spec is not None else 0,
                                    max_model_len=config.model.max_model_len,
                                    draft_lookahead=self.runner.draft_lookahead)
+        if spec is not None and spec.adaptive:  # the adaptive switch: K_eff per step from a cost model
+            self.scheduler.spec_policy = AdaptiveSpec(spec.k, self.runner.spec.counters)
         self.pipeline = Pipeline(self.scheduler, self.runner, self.grammar,
                                  config.pipeline_depth)
         self._rng = random.Random(config.model.seed)
@@ -288,7 +293,12 @@ class EngineCore:
         return EngineStats(len(sched.running), len(sched.waiting) + len(sched.grammar_waiting),
                            kv.usage,
                            kv.num_cached_free_blocks, kv.prefix_queries, kv.prefix_hits,
-                           sched.num_preemptions)
+                           sched.num_preemptions, self.spec_stats())
+
+    def spec_stats(self) -> SpecDecodingStats | None:
+        """Speculative decoding's counters over the committed steps (a snapshot)."""
+        spec = self.runner.spec
+        return None if spec is None else spec.counters.copy()
 
     # ---- drain checks -------------------------------------------------------------------------
     def assert_drained(self) -> None:

@@ -33,6 +33,7 @@ from photon.core.step import (
 from photon.engine.kv_cache import KVCacheManager, PrefixMatch
 from photon.engine.logprobs import TokenText, logprob_entry
 from photon.engine.request import FinishReason, Request, RequestStatus
+from photon.spec.adaptive import SpecPolicy
 from photon.structured.backend import GrammarError
 
 
@@ -44,13 +45,14 @@ class SchedulerOutput:
     plan: StepPlan
     requests: list[Request] = field(default_factory=list)  # plan.rows[i] is requests[i]'s
     admitted: list[Request] = field(default_factory=list)  # plan.new_requests[i] is admitted[i]
+    spec_k: int = 0  # K_eff: the drafts the step's speculative rows verify
 
 
 def speculates(req: Request) -> bool:
-    """Whether a request may speculate (when the engine does). Plain rows instead: requests with
-    a grammar (structured outputs) and requests under min_tokens (its stop-token bans depend on
-    the output index, which the host does not know for a speculative row)."""
-    return req.grammar is None and req.params.min_tokens == 0
+    """Whether a request may speculate (when the engine does). Requests with a grammar
+    (structured outputs) run as plain rows: their masks are per row. min_tokens speculates: the
+    sampler applies its stop-token bans per verified position from the device's output index."""
+    return req.grammar is None
 
 
 class Scheduler:
@@ -62,6 +64,8 @@ class Scheduler:
         # KV positions a draft model writes past a speculative request's sampling row: its K
         # single-token steps after the row (0: no draft model)
         self.draft_lookahead = draft_lookahead
+        # Chooses each step's K_eff (photon.spec.adaptive); None: every step verifies K.
+        self.spec_policy: SpecPolicy | None = None
         self.max_model_len = max_model_len
         self.token_text = token_text  # a token's text, for logprob entries (None: no text)
         self.kv = kv
@@ -146,6 +150,8 @@ class Scheduler:
         self._released = []
         budget = self.config.max_num_batched_tokens
         running = RequestStatus.RUNNING
+        k_eff = self._spec_width()
+        out.spec_k = k_eff
         for req in list(self.running):  # a copy: preemption edits the list
             if budget == 0:
                 break
@@ -156,7 +162,7 @@ class Scheduler:
                 continue  # preempted this step, or every output already sampled
             known = len(req.prompt_token_ids) + n_out
             if req.spec_live and req.spec_k:
-                budget -= self._plan_spec_row(req, budget, out)
+                budget -= self._plan_spec_row(req, budget, out, k_eff)
                 continue
             num_new = min(known - req.num_computed_tokens, budget)
             end = req.num_computed_tokens + num_new
@@ -169,9 +175,16 @@ class Scheduler:
             self.num_steps += 1
         return out
 
-    def _plan_spec_row(self, req: Request, budget: int, out: SchedulerOutput) -> int:
-        """A speculative row for `req` if the budget and the KV cache allow; the tokens it uses."""
-        k = req.spec_k
+    def _spec_width(self) -> int:
+        """K_eff, the drafts this step's speculative rows verify: the policy's choice for the
+        running batch (host data only), or K without a policy."""
+        if not self.spec_k or self.spec_policy is None:
+            return self.spec_k
+        return min(self.spec_k, self.spec_policy.choose(len(self.running)))
+
+    def _plan_spec_row(self, req: Request, budget: int, out: SchedulerOutput, k: int) -> int:
+        """A speculative row verifying `k` drafts for `req` if the budget and the KV cache
+        allow; the tokens it uses."""
         if budget < k + 1:
             return 0  # the next step (the engine refuses a budget below K + 1)
         bound = req.num_committed_tokens + req.num_pending_max  # the length on the device, at most
@@ -179,7 +192,7 @@ class Scheduler:
             return 0
         out.plan.rows.append(ScheduledRow(req.req_index, bound - 1, k + 1, True,
                                           req.num_planned_outputs, self.kv.block_table(req.key),
-                                          spec=k))
+                                          spec=k, speculative=True))
         out.requests.append(req)
         out.plan.num_tokens += k + 1
         req.num_computed_tokens += 1  # the last known token's position; drafts count at commit
@@ -307,13 +320,17 @@ class Scheduler:
                 self._after_commit(req)
             elif req.inflight_refs == 0:
                 self._maybe_release(req)  # only preempted or finished requests release
+        if self.spec_policy is not None and step.plan.rows:
+            rows = step.plan.rows
+            decode = all(r.speculative or r.num_tokens == 1 for r in rows)
+            self.spec_policy.committed(step.plan.step, len(rows), step.spec_k, decode)
         return touched
 
     def _append_all(self, req: Request, row: ScheduledRow, toks: list[CommittedToken],
                     grammar_ended: bool) -> None:
         """Append a row's tokens one by one with the stop checks; those after a stop are
         dropped. A speculative row's accepted drafts had their K/V computed by it."""
-        if row.spec and req.status is RequestStatus.RUNNING:
+        if row.speculative and req.status is RequestStatus.RUNNING:
             req.num_computed_tokens += len(toks) - 1
         for tok in toks:
             self._append(req, tok, grammar_ended)

@@ -1,7 +1,10 @@
-"""photon-tiny: the built-in default model (a real Hugging Face Qwen3 directory, random weights).
+"""photon's built-in model names, and photon-tiny-random (a Qwen3 directory with random weights).
 
-It is generated on first use, deterministically (fixed seeds, no network, no transformers), into
-`$PHOTON_CACHE_DIR/photon-tiny-v1` (default `~/.cache/photon`). Two creations give byte-identical
+`photon-tiny` (the default model) and `photon-tiny-draft` (its speculative-decoding draft) are
+trained checkpoints shipped inside the package (photon/assets, made by `python -m photon.train`).
+`photon-tiny-random` is a small random-weight model for tests of the engine's mechanics. It is
+generated on first use, deterministically (fixed seeds, no network, no transformers), into
+`$PHOTON_CACHE_DIR/photon-tiny-random-v1` (default `~/.cache/photon`). Two creations give byte-identical
 files. Creation is atomic: files are written to a temporary sibling directory that is renamed
 into place, so a reader never sees a half-written model and two racing processes are harmless.
 """
@@ -19,8 +22,11 @@ import torch
 
 from photon.config import ConfigError
 
-PHOTON_TINY = "photon-tiny"
-_DIR_NAME = "photon-tiny-v1"  # bump the suffix whenever the generated content changes
+PHOTON_TINY = "photon-tiny"  # the default model
+PHOTON_TINY_DRAFT = "photon-tiny-draft"
+PHOTON_TINY_RANDOM = "photon-tiny-random"
+BUILTIN_MODELS = (PHOTON_TINY, PHOTON_TINY_DRAFT, PHOTON_TINY_RANDOM)
+_DIR_NAME = "photon-tiny-random-v1"  # bump the suffix whenever the generated content changes
 _MARKER = "photon_random_weights"
 _SEED = 1234
 _SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -44,12 +50,12 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-_README = """# photon-tiny
+_README = """# photon-tiny-random
 
 **RANDOM WEIGHTS — output is meaningless; for smoke tests and benchmarks.**
 
 A 4-layer Qwen3-architecture model (hidden 128) with a small byte-level BPE tokenizer, generated
-deterministically by `photon.model.tiny.ensure_photon_tiny()`. It is a real Hugging Face model
+deterministically by `photon.model.tiny.ensure_photon_tiny_random()`. It is a real Hugging Face model
 directory: `transformers` can load both the tokenizer and the model from it.
 """
 
@@ -123,12 +129,13 @@ Here is the answer: first, compute the sum; second, divide by the count; finally
 
 def resolve_model_path(model: str | None, revision: str | None = None,
                        download_dir: str | None = None) -> str:
-    """Map the `--model` argument to an absolute model directory: photon-tiny (created if need
-    be), a local directory, or else a Hugging Face hub id (downloaded or taken from the cache)."""
+    """Map the `--model` argument to an absolute model directory: a built-in name (None is
+    photon-tiny; photon-tiny-random is created if need be), a local directory, or else a Hugging
+    Face hub id (downloaded or taken from the cache)."""
     from photon.model.hub import download_model, is_repo_id
 
-    if model is None or model == PHOTON_TINY:
-        return ensure_photon_tiny()
+    if model is None or model in BUILTIN_MODELS:
+        return builtin_model_path(model or PHOTON_TINY)
     if not os.path.isdir(model):
         if is_repo_id(model):
             return download_model(model, revision, download_dir)
@@ -138,8 +145,19 @@ def resolve_model_path(model: str | None, revision: str | None = None,
     return os.path.abspath(model)
 
 
+def builtin_model_path(name: str) -> str:
+    """The directory of one of BUILTIN_MODELS: the trained ones are package data."""
+    if name == PHOTON_TINY_RANDOM:
+        return ensure_photon_tiny_random()
+    if name not in BUILTIN_MODELS:
+        raise ConfigError(f"unknown built-in model {name!r}; built-in models: "
+                          f"{', '.join(BUILTIN_MODELS)}")
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+    return os.path.join(root, name)
+
+
 def is_random_weights(model_dir: str) -> bool:
-    """True when config.json carries photon's random-weights marker (photon-tiny)."""
+    """True when config.json carries photon's random-weights marker (photon-tiny-random)."""
     try:
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             return bool(json.load(f).get(_MARKER, False))
@@ -152,9 +170,10 @@ def default_cache_dir() -> str:
         os.path.expanduser("~"), ".cache", "photon")
 
 
-def ensure_photon_tiny(cache_dir: str | None = None) -> str:
-    """Return the photon-tiny directory, generating it first if it is missing or incomplete."""
-    return ensure_generated(_DIR_NAME, _FILES, write_photon_tiny, cache_dir)
+def ensure_photon_tiny_random(cache_dir: str | None = None) -> str:
+    """Return the photon-tiny-random directory, generating it first if it is missing or
+    incomplete."""
+    return ensure_generated(_DIR_NAME, _FILES, write_photon_tiny_random, cache_dir)
 
 
 def ensure_generated(dir_name: str, files: tuple[str, ...], write: Callable[[str], None],
@@ -190,8 +209,8 @@ def _install(tmp: str, final: str, files: tuple[str, ...]) -> None:
             raise
 
 
-def write_photon_tiny(out_dir: str) -> None:
-    """Write every photon-tiny file into the existing directory `out_dir` (deterministic)."""
+def write_photon_tiny_random(out_dir: str) -> None:
+    """Write every photon-tiny-random file into the existing directory `out_dir` (deterministic)."""
     from safetensors.torch import save_file
 
     tokenizer = build_tokenizer()

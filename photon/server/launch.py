@@ -20,8 +20,9 @@ def add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", allow_abbrev=False, help="Run the OpenAI-compatible HTTP server.",
                        description="Serve the model over an OpenAI-compatible HTTP API.")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="The model to serve, as vLLM's `vllm serve MODEL`: a local directory or a "
-                        "Hugging Face hub id (the same as --model).")
+                   help="The model to serve, as vLLM's `vllm serve MODEL`: a built-in name "
+                        "(photon-tiny, photon-tiny-draft, photon-tiny-random), a local directory "
+                        "or a Hugging Face hub id (the same as --model).")
     p.add_argument("--host", default="127.0.0.1",
                    help="Address to bind (default 127.0.0.1: local only).")
     p.add_argument("--port", type=int, default=8000, help="Port (default 8000; 0 = any free).")

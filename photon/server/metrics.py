@@ -7,6 +7,10 @@ Everything is observed on the engine thread (`EngineObserver`), never scraped fr
 - counters `prefix_cache_queries` / `prefix_cache_hits` (tokens), `num_preemptions`,
   `prompt_tokens` / `generation_tokens`, `request_success{finished_reason}` (one per completion
   choice, as vLLM's V1 counts parallel-sampling children);
+- speculative decoding (with `--speculative-config`): counters `spec_decode_num_drafts` (rows
+  that verified drafts), `spec_decode_num_draft_tokens`, `spec_decode_num_accepted_tokens` and
+  `spec_decode_num_accepted_tokens_per_pos{position}` (0 = the first draft); the mean acceptance
+  length is 1 + accepted_tokens / drafts;
 - histograms `time_to_first_token_seconds`, `inter_token_latency_seconds`,
   `e2e_request_latency_seconds` (from the HTTP arrival), `request_queue_time_seconds` (engine
   arrival to first scheduling), and `step_time_seconds` (one `EngineCore.step()` call);
@@ -34,6 +38,7 @@ from prometheus_client import (
 from photon.engine.async_engine import TrackedRequest
 from photon.engine.engine_core import EngineStats
 from photon.outputs import RequestOutput
+from photon.spec.stats import SpecDecodingStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -86,6 +91,16 @@ class ServerMetrics:
         self.success = Counter("photon:request_success", "Finished completions by reason.",
                                ["model_name", "finished_reason"], registry=self.registry)
         self._model = m
+        self.spec_drafts = self._counter("spec_decode_num_drafts",
+                                         "Speculative rows that verified drafts.", m)
+        self.spec_draft_tokens = self._counter("spec_decode_num_draft_tokens",
+                                               "Draft tokens verified.", m)
+        self.spec_accepted = self._counter("spec_decode_num_accepted_tokens",
+                                           "Draft tokens accepted.", m)
+        self.spec_accepted_per_pos = Counter(
+            "photon:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, per draft position (0: the first draft).",
+            ["model_name", "position"], registry=self.registry)
 
     def _make_histograms(self, m: str) -> None:
         b = _LATENCY_BUCKETS
@@ -118,7 +133,18 @@ class ServerMetrics:
             self.prefix_queries.inc(stats.prefix_queries)
             self.prefix_hits.inc(stats.prefix_hits)
             self.preemptions.inc(stats.num_preemptions)
+        self._count_spec(stats.spec_decoding, last.spec_decoding if last is not None else None)
         self._last = stats
+
+    def _count_spec(self, now: SpecDecodingStats | None, last: SpecDecodingStats | None) -> None:
+        if now is None:
+            return
+        new = now if last is None else now.since(last)
+        self.spec_drafts.inc(max(0, new.num_drafts))
+        self.spec_draft_tokens.inc(max(0, new.num_draft_tokens))
+        self.spec_accepted.inc(max(0, new.num_accepted_tokens))
+        for pos, n in enumerate(new.num_accepted_tokens_per_pos):
+            self.spec_accepted_per_pos.labels(self._model, str(pos)).inc(max(0, n))
 
     def _update_idle(self, step_s: float, gap_s: float) -> None:
         self._busy_s += step_s

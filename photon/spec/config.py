@@ -2,7 +2,9 @@
 
 Accepted keys (vLLM's names): method ("draft_model" | "ngram"), model (the draft model: a local
 directory or a hub id; required by draft_model), num_speculative_tokens (K, required, 1..16),
-prompt_lookup_min / prompt_lookup_max (ngram only). As in vLLM, a missing method is inferred from
+prompt_lookup_min / prompt_lookup_max (ngram only); and photon's own key adaptive (default true:
+each step verifies the number of drafts its cost model finds fastest, photon.spec.adaptive; false:
+every step verifies K, which makes a run's schedule independent of measured step times). As in vLLM, a missing method is inferred from
 model ("ngram" or "[ngram]": ngram, anything else: draft_model), and the ngram lookup bounds default
 to 5 and 5, or to each other when only one is given. Every mistake is a ConfigError that names the
 key and says what is allowed.
@@ -24,7 +26,8 @@ MAX_SPECULATIVE_TOKENS = 16
 MAX_PROMPT_LOOKUP = 64
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default for both bounds
 _NGRAM_MODEL_NAMES = ("ngram", "[ngram]")  # vLLM accepts these as model for method ngram
-_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+         "adaptive")
 _EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 3}'
 
 
@@ -61,9 +64,12 @@ class SpeculativeConfig:
     model: str | None = None  # the draft model (method draft_model)
     prompt_lookup_min: int | None = None  # method ngram; None: the default (see the module doc)
     prompt_lookup_max: int | None = None
+    adaptive: bool = True  # photon's: K_eff per step from the cost model (False: always K)
 
     def __post_init__(self) -> None:
         _check_method(self.method)
+        if not isinstance(self.adaptive, bool):
+            raise _error("adaptive", f"must be true or false, got {self.adaptive!r}")
         _int_in("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         if self.method == "ngram":
             self._check_ngram()
@@ -118,7 +124,8 @@ class SpeculativeConfig:
                                                    f"{MAX_SPECULATIVE_TOKENS}")
         return cls(method=method, num_speculative_tokens=values["num_speculative_tokens"],
                    model=model, prompt_lookup_min=values.get("prompt_lookup_min"),
-                   prompt_lookup_max=values.get("prompt_lookup_max"))
+                   prompt_lookup_max=values.get("prompt_lookup_max"),
+                   adaptive=values.get("adaptive", True))
 
 
 def _infer_method(model: str | None) -> str:

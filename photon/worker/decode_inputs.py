@@ -37,14 +37,14 @@ def build_decode_inputs(rows: list[ScheduledRow], table: RequestTable, block_siz
         tables = np.where(held, tables, 0)
     slots = tables[np.arange(n), start // block_size] * block_size + start % block_size
     g = table.gather(req, counters)
-    ban_rows, ban_tokens = table.min_tokens_bans(req, g.below_min_tokens)
+    ban_rows, ban_tokens, ban_until = table.min_tokens_bans(req, g.below_min_tokens)
     bias_rows, bias_tokens, bias_values = table.logit_bias(req, g.biased)
     steps = np.arange(n + 1, dtype=I64)
     sample_pool_idx = req * pool_width + seq_lens
     inputs = StepInputs(
         start, req * pool_width + start, slots, write_idx, write_ids, seq_lens, steps, tables,
         steps[:n], g.top_k, g.keys, counters, req, g.prompt_lens, seq_lens, sample_pool_idx,
-        ban_rows, ban_tokens, bias_rows, bias_tokens, _NONE, _NONE, _NONE, _NONE, _NONE,
+        ban_rows, ban_tokens, ban_until, bias_rows, bias_tokens, _NONE, _NONE, _NONE, _NONE, _NONE,
         req[table.spec[req] > 0], *g.floats, bias_values)
     # the sampler writes token seq_len into the pool
     return HostStep(inputs, seq_lens.tolist(), [1] * n, True, list(range(n)), g.flags,
@@ -65,4 +65,4 @@ def _pool_writes(req: np.ndarray, seq_lens: np.ndarray, table: RequestTable, poo
 
 
 def is_plain_decode(rows: list[ScheduledRow]) -> bool:
-    return all(r.num_tokens == 1 and r.sample and not r.spec for r in rows)
+    return all(r.num_tokens == 1 and r.sample and not r.speculative for r in rows)

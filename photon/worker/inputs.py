@@ -48,6 +48,7 @@ class HostStep:
     # Sampling rows of each row that samples (sample_rows order): 1, or K + 1 for a speculative
     # row; None: 1 each (no speculative row).
     widths: list[int] | None = None
+    spec_k: int = 0  # K_eff of the step's speculative rows (all verify as many drafts)
 
     @property
     def num_virtual(self) -> int:
@@ -78,7 +79,7 @@ def _token_arrays(rows: list[ScheduledRow], table: RequestTable, block_size: int
     for row in rows:
         base = row.req_index * pool_width
         start, end = row.start, row.seq_len
-        if row.spec:  # resolved on the device at launch; every token is in the pool
+        if row.speculative:  # resolved on the device at launch; every token is in the pool
             n = row.num_tokens
             positions.extend([0] * n)
             pool_idx.extend([base] * n)
@@ -104,7 +105,7 @@ def _token_arrays(rows: list[ScheduledRow], table: RequestTable, block_size: int
 def _block_tables(rows: list[ScheduledRow], block_size: int) -> np.ndarray:
     """Zero-padded (the null block): a speculative row's table spans its host bound of seq_len,
     so the device finds every position it may resolve in it."""
-    width = max(max(len(r.block_ids), -(-r.seq_len // block_size) if r.spec else 0)
+    width = max(max(len(r.block_ids), -(-r.seq_len // block_size) if r.speculative else 0)
                 for r in rows)
     tables = np.zeros((len(rows), width), dtype=I64)
     for i, r in enumerate(rows):
@@ -162,7 +163,7 @@ def _sampling(rows: list[ScheduledRow], qsl: np.ndarray) -> _Sampling:
     spec_vrows: list[int] = []
     for i, w in zip(sample, widths):
         r = rows[i]
-        if r.spec:
+        if r.speculative:
             spec_rows.append(i)
             spec_vrows.append(len(req))
         req.extend([r.req_index] * w)
@@ -185,7 +186,7 @@ def build_step_inputs(rows: list[ScheduledRow], table: RequestTable, block_size:
     smp = _sampling(rows, qsl)
     req = smp.req
     g = table.gather(req, smp.counters)
-    ban_rows, ban_tokens = table.min_tokens_bans(req, g.below_min_tokens)
+    ban_rows, ban_tokens, ban_until = table.min_tokens_bans(req, g.below_min_tokens)
     bias_rows, bias_tokens, bias_values = table.logit_bias(req, g.biased)
     plp_idx, plp_tokens, spans = prompt_logprob_arrays(rows, table, qsl)
     seq_lens = [r.seq_len for r in rows]
@@ -194,12 +195,13 @@ def build_step_inputs(rows: list[ScheduledRow], table: RequestTable, block_size:
         positions, pool_idx, slots, write_idx, write_ids, i64(seq_lens), qsl,
         _block_tables(rows, block_size), smp.logits_idx, g.top_k, g.keys, smp.counters, req,
         g.prompt_lens, smp.seq_lens, req * pool_width + smp.seq_lens, ban_rows, ban_tokens,
-        bias_rows, bias_tokens, plp_idx, plp_tokens, smp.spec_rows,
+        ban_until, bias_rows, bias_tokens, plp_idx, plp_tokens, smp.spec_rows,
         i64([rows[i].req_index for i in smp.spec_rows.tolist()]), smp.spec_vrows,
         sampled_req[table.spec[sampled_req] > 0], *g.floats, bias_values)
     # A speculative row leaves the pool's host-known part as it was (the device knows more).
-    valid = i64([int(table.pool_valid[r.req_index]) if r.spec else r.seq_len + int(r.sample)
+    valid = i64([int(table.pool_valid[r.req_index]) if r.speculative else r.seq_len + int(r.sample)
                  for r in rows])
     return HostStep(inputs, seq_lens, qlens, all(q == 1 for q in qlens), smp.rows, g.flags,
                     (i64([r.req_index for r in rows]), valid), spans,
-                    smp.widths if smp.spec_rows.size else None)
+                    smp.widths if smp.spec_rows.size else None,
+                    max((r.spec for r in rows), default=0))

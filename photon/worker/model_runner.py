@@ -240,7 +240,7 @@ class ModelRunner:
         if host.inputs.write_idx.size:
             self.token_pool.view(-1)[dev.write_idx] = dev.write_ids.to(torch.int32)
         if host.widths is not None:
-            self.spec.resolve(dev, len(prep.rows))
+            self.spec.resolve(dev, len(prep.rows), host.spec_k)
         if prep.graph_key is not None:
             hidden = self.graphs.run(prep.graph_key, dev, len(prep.rows))
         else:
@@ -309,13 +309,13 @@ class ModelRunner:
         d, f = h.dev, h.host.flags
         mask = self._token_bitmask(h)
         if h.host.widths is not None:
-            mask = self.spec.expand_mask(mask, d, h.host.num_virtual)
+            mask = self.spec.expand_mask(mask, d, h.host.num_virtual, h.host.spec_k)
         return SamplingBatch(
             temperature=d.temperature, top_k=d.top_k.to(torch.int32), top_p=d.top_p,
             min_p=d.min_p, keys=d.keys, counters=d.counters,
             presence_penalty=d.presence_penalty, frequency_penalty=d.frequency_penalty,
             repetition_penalty=d.repetition_penalty, ban_rows=d.ban_rows,
-            ban_tokens=d.ban_tokens, bias_rows=d.bias_rows, bias_tokens=d.bias_tokens,
+            ban_tokens=d.ban_tokens, ban_until=d.ban_until, bias_rows=d.bias_rows, bias_tokens=d.bias_tokens,
             bias_values=d.bias_values, token_pool=self.token_pool if f.any_penalties else None,
             pool_rows=d.pool_rows, prompt_lens=d.prompt_lens, seq_lens=d.sample_seq_lens,
             all_greedy=f.all_greedy, any_top_k=f.any_top_k, any_top_p=f.any_top_p,
@@ -340,7 +340,8 @@ class ModelRunner:
             tokens, lps = out.token_ids, (out.logprobs, out.ranks, out.topk_ids,
                                           out.topk_logprobs)
         else:
-            tokens, raw = self.spec.sample(self.sampler, h.logits, batch, h.dev, self.token_pool)
+            tokens, raw = self.spec.sample(self.sampler, h.logits, batch, h.dev, self.token_pool,
+                                           h.host.spec_k)
             lps = token_logprobs(raw, tokens.clamp(min=0), k) if raw is not None else None
         rows = h.host.num_virtual
         views = h.slot.output_views(rows, max(k, 0))

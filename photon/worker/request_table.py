@@ -124,18 +124,25 @@ class RequestTable:
         assert len(toks) == end - first, "an uncommitted token is missing from the pool"
         return first, toks
 
-    def min_tokens_bans(self, rows: np.ndarray, below: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(sampling row, token) pairs to ban for the sampling rows `below` (request indices
-        `rows[j]`) still under their min_tokens."""
+    def min_tokens_bans(self, rows: np.ndarray, below: list[int]
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sampling row, token, min_tokens) triples to ban for the sampling rows `below`
+        (request indices `rows[j]`) whose output index may be under their min_tokens: the
+        sampler bans a pair while the row's device counter is below its min_tokens (a
+        speculative row's host counter is only a lower bound)."""
         if not below:
-            return _EMPTY_I, _EMPTY_I
+            return _EMPTY_I, _EMPTY_I, _EMPTY_I
         ban_rows: list[int] = []
         ban_tokens: list[int] = []
+        until: list[int] = []
         for j in below:
-            bans = self.sampling[int(rows[j])].min_tokens_bans
+            i = int(rows[j])
+            bans = self.sampling[i].min_tokens_bans
             ban_rows.extend([j] * len(bans))
             ban_tokens.extend(bans)
-        return np.asarray(ban_rows, dtype=I64), np.asarray(ban_tokens, dtype=I64)
+            until.extend([int(self.ints[i, IntCol.MIN_TOKENS])] * len(bans))
+        return (np.asarray(ban_rows, dtype=I64), np.asarray(ban_tokens, dtype=I64),
+                np.asarray(until, dtype=I64))
 
     def logit_bias(self, rows: np.ndarray, biased: list[int]
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

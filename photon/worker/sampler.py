@@ -57,6 +57,9 @@ class SamplingBatch:
     bias_rows: Tensor | None = None  # [B] int64 \
     bias_tokens: Tensor | None = None  # [B] int64  | logits[row, token] += value
     bias_values: Tensor | None = None  # [B] float32 /
+    # [M] int64: ban i holds only while counters[ban_rows[i]] < ban_until[i] (min_tokens against
+    # the device's output index); None: every ban holds.
+    ban_until: Tensor | None = None
 
 
 @dataclass
@@ -158,9 +161,16 @@ def apply_logit_bias(logits: Tensor, batch: SamplingBatch) -> Tensor:
 
 
 def apply_bans(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Set logits[ban_rows[i], ban_tokens[i]] = -inf in place (a scatter: no sync)."""
+    """Set logits[ban_rows[i], ban_tokens[i]] = -inf in place, for the bans that hold (see
+    `ban_until`): a gather and a scatter, no sync."""
     flat = batch.ban_rows * logits.shape[1] + batch.ban_tokens
-    logits.view(-1).scatter_(0, flat, float("-inf"))
+    view = logits.view(-1)
+    if batch.ban_until is None:
+        view.scatter_(0, flat, float("-inf"))
+        return logits
+    # Pairs repeat only with the same row and bound, hence the same value: the scatter is exact.
+    holds = batch.counters[batch.ban_rows] < batch.ban_until
+    view.scatter_(0, flat, torch.where(holds, float("-inf"), view[flat]))
     return logits
 
 

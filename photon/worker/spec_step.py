@@ -16,7 +16,7 @@ null block (KV slots): such rows' tokens are dropped at commit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -25,20 +25,11 @@ from photon.core.inputs import StepInputs
 from photon.spec.config import SpeculativeConfig
 from photon.spec.proposer import ProposeContext, build_proposer
 from photon.spec.rejection import verify
+from photon.spec.stats import SpecDecodingStats
 from photon.structured.bitmask import TokenMask
 from photon.worker.sampler import Sampler, SamplingBatch
 
-
-@dataclass
-class SpecCounters:
-    """Host counts over the committed steps (read by tests and, later, metrics)."""
-
-    num_spec_rows: int = 0  # speculative rows that sampled
-    num_emitted_tokens: int = 0  # tokens those rows produced (accepted drafts + 1 each)
-
-    @property
-    def num_accepted_tokens(self) -> int:
-        return self.num_emitted_tokens - self.num_spec_rows
+NO_DRAFT = -2  # a speculative row's sampling row past its drafts (-1: a draft not reached)
 
 
 class SpecDecoder:
@@ -51,20 +42,21 @@ class SpecDecoder:
         self.block_size = block_size
         self.dev_len = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self.num_draft = torch.zeros(num_rows, dtype=torch.int64, device=device)
-        self.counters = SpecCounters()
+        self.counters = SpecDecodingStats.empty(self.k)  # committed steps (metrics)
         self._j = torch.arange(self.k + 1, device=device)
 
     # ---- launch ---------------------------------------------------------------------------
-    def resolve(self, dev: StepInputs[Tensor], num_rows: int) -> None:
+    def resolve(self, dev: StepInputs[Tensor], num_rows: int, k: int) -> None:
         """Fill the speculative rows' positions, input pool entries, KV slots and seq_lens, and
-        their sampling rows' counters, lengths and pool entries, from `dev_len`."""
+        their sampling rows' counters, lengths and pool entries, from `dev_len` (`k`: the
+        step's K_eff, the drafts each of its speculative rows verifies)."""
         rows, req = dev.spec_rows, dev.spec_reqs
         if rows.numel() == 0:  # a shape: no sync
             return
-        k, w, bs = self.k, self.pool_width, self.block_size
+        w, bs = self.pool_width, self.block_size
         d = self.dev_len[req]
-        pos = d[:, None] - 1 + self._j[None, :]  # [S, K+1]
-        tok = (dev.query_start_loc[rows][:, None] + self._j[None, :]).reshape(-1)
+        pos = d[:, None] - 1 + self._j[None, :k + 1]  # [S, K_eff+1]
+        tok = (dev.query_start_loc[rows][:, None] + self._j[None, :k + 1]).reshape(-1)
         base = req[:, None] * w
         dev.positions[tok] = pos.clamp(max=self.max_model_len - 1).reshape(-1)
         dev.pool_idx[tok] = (base + pos.clamp(max=w - 1)).reshape(-1)
@@ -74,49 +66,54 @@ class SpecDecoder:
         block = torch.where(pos // bs < width, block, torch.zeros_like(block))
         dev.slot_mapping[tok] = (block * bs + pos % bs).reshape(-1)
         dev.seq_lens[rows] = d + k
-        v = self._vrows(dev)
+        v = self._vrows(dev, k)
         nxt = (pos + 1).reshape(-1)  # the position of the token each sampling row decides
         dev.counters[v] = nxt - dev.prompt_lens[v]
         dev.sample_seq_lens[v] = nxt
         dev.sample_pool_idx[v] = (base + (pos + 1).clamp(max=w - 1)).reshape(-1)
 
-    def _vrows(self, dev: StepInputs[Tensor]) -> Tensor:
-        """[S * (K+1)] the sampling rows of the speculative rows, row by row."""
-        return (dev.spec_vrows[:, None] + self._j[None, :]).reshape(-1)
+    def _vrows(self, dev: StepInputs[Tensor], k: int) -> Tensor:
+        """[S * (k+1)] the sampling rows of the speculative rows, row by row."""
+        return (dev.spec_vrows[:, None] + self._j[None, :k + 1]).reshape(-1)
 
     # ---- sample ---------------------------------------------------------------------------
     def expand_mask(self, mask: TokenMask | None, dev: StepInputs[Tensor],
-                    num_virtual: int) -> TokenMask | None:
+                    num_virtual: int, k: int) -> TokenMask | None:
         """A step's grammar masks (one per row that samples) for its sampling rows: a
         speculative row's K + 1 take its (allow-all: speculative rows have no grammar)."""
         if mask is None:
             return None
         first = torch.ones(num_virtual, dtype=torch.int64, device=dev.spec_vrows.device)
-        rest = (dev.spec_vrows[:, None] + self._j[None, 1:]).reshape(-1)
+        rest = (dev.spec_vrows[:, None] + self._j[None, 1:k + 1]).reshape(-1)
         first[rest] = 0
         owner = first.cumsum(0) - 1
         return TokenMask(mask.bits[owner], mask.tail[owner])
 
     def sample(self, sampler: Sampler, logits: Tensor, batch: SamplingBatch,
-               dev: StepInputs[Tensor], pool: Tensor) -> tuple[Tensor, Tensor | None]:
+               dev: StepInputs[Tensor], pool: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
         """([R] tokens, raw log-softmax or None) of every sampling row: plain rows draw, the
-        K + 1 rows of a speculative row hold its verified tokens, then -1."""
+        K + 1 rows of a speculative row hold its verified tokens, then -1 up to its last draft's
+        position and NO_DRAFT past it."""
         raw, scores, owned = sampler.process(logits, batch, overwrite=True)
-        v = self._vrows(dev)
+        v = self._vrows(dev, k)
         num_spec = dev.spec_rows.shape[0]
-        spec_scores = scores[v].view(num_spec, self.k + 1, -1)  # a copy: draw may mask scores
+        spec_scores = scores[v].view(num_spec, k + 1, -1)  # a copy: draw may mask scores
         tokens = sampler.draw(scores, batch, owned)
         req = dev.spec_reqs
         d = self.dev_len[req]
         drafts = pool.view(-1)[req[:, None] * self.pool_width
-                               + (d[:, None] + self._j[None, :self.k]).clamp(
+                               + (d[:, None] + self._j[None, :k]).clamp(
                                    max=self.pool_width - 1)].long()
         v0 = dev.spec_vrows
         first = replace(batch, temperature=batch.temperature[v0], top_k=batch.top_k[v0],
                         top_p=batch.top_p[v0], min_p=batch.min_p[v0], keys=batch.keys[v0],
                         counters=batch.counters[v0], token_bitmask=None)
-        out = verify(spec_scores, drafts, self.num_draft[req], None, first)
-        tokens[v] = out.tokens.reshape(-1)
+        num_draft = self.num_draft[req].clamp(max=k)  # K_eff < K: the first K_eff drafts
+        out = verify(spec_scores, drafts, num_draft, None, first)
+        # Positions past the row's drafts (never emitted) carry NO_DRAFT instead of -1: the
+        # commit counts the row's drafts from the one download it already makes.
+        no_draft = self._j[None, :k + 1] > num_draft[:, None]
+        tokens[v] = torch.where(no_draft, NO_DRAFT, out.tokens).reshape(-1)
         return tokens, raw
 
     def advance(self, tokens: Tensor, dev: StepInputs[Tensor], pool: Tensor) -> None:
@@ -145,10 +142,13 @@ class SpecDecoder:
         self.num_draft[req] = num
 
     def count(self, tokens: list[int], widths: list[int]) -> None:
-        """Host counters of a committed step (its downloaded tokens, sampling-row widths)."""
+        """Host counters of a committed step (its downloaded tokens, sampling-row widths): a
+        speculative row of K_eff + 1 emitted `n >= 1` tokens (n - 1 accepted drafts) and has a
+        NO_DRAFT entry per draft position it did not propose."""
         at = 0
         for w in widths:
             if w > 1:
-                self.counters.num_spec_rows += 1
-                self.counters.num_emitted_tokens += sum(t >= 0 for t in tokens[at:at + w])
+                row = tokens[at:at + w]
+                self.counters.observe(w - 1 - row.count(NO_DRAFT),
+                                      sum(t >= 0 for t in row) - 1)
             at += w

@@ -15,9 +15,9 @@ from tests.test_spec_engine import GREEDY, _prompts
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-KW = dict(device="cuda", dtype="float32", max_model_len=256)
+KW = dict(model="photon-tiny-random", device="cuda", dtype="float32", max_model_len=256)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
-         "prompt_lookup_max": 4}
+         "prompt_lookup_max": 4, "adaptive": False}
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

@@ -19,7 +19,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 
 def _spec(k: int) -> dict:
-    return {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k}
+    return {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k,
+            "adaptive": False}
 
 
 def _greedy(llm: LLM) -> list[list[int]]:

@@ -1,0 +1,109 @@
+"""The adaptive switch: each step verifies K_eff in 0..K drafts, chosen on the host from the
+measured acceptance and a step-time cost model. With a cost model that makes speculation
+expensive from a batch size on, large batches run K_eff = 0 (speculative rows with no drafts)
+and greedy tokens stay those of the engine without speculation; speculation comes back when the
+batch shrinks; pipelined equals blocking with switching."""
+
+from __future__ import annotations
+
+import pytest
+
+from photon import LLM, SamplingParams
+from photon.spec.adaptive import AdaptiveSpec, MeasuredCostModel, bucket
+from tests.test_pipeline import Spec, run
+from tests.test_spec_engine import _accepted, _llm, _prompts
+
+K = 3
+
+
+class ExpensiveFrom:
+    """Speculation costs 10x a plain step from `n` rows on, half a plain step below."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def step_time(self, batch_size: int, k: int) -> float:
+        return 1.0 if k == 0 else (10.0 if batch_size >= self.n else 0.5)
+
+    def observe(self, batch_size: int, k: int, seconds: float) -> None:
+        pass
+
+
+def _adaptive(pipelined: bool, n: int) -> tuple[LLM, list[tuple[int, int]]]:
+    """An engine whose policy uses ExpensiveFrom(n); the (batch size, K_eff) of every choice."""
+    llm = _llm(pipelined, K)
+    sched = llm.engine.scheduler
+    policy = AdaptiveSpec(K, llm.engine.runner.spec.counters, ExpensiveFrom(n))
+    choices: list[tuple[int, int]] = []
+    choose = policy.choose
+
+    def record(batch_size: int) -> int:
+        k = choose(batch_size)
+        choices.append((batch_size, k))
+        return k
+
+    policy.choose = record
+    sched.spec_policy = policy
+    return llm, choices
+
+
+def _specs() -> list[Spec]:
+    """Four requests of different lengths: the batch shrinks from 4 to 1."""
+    return [Spec(p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+            for p, m in zip(_prompts(5), (40, 10, 14, 18))]
+
+
+def test_large_batches_switch_speculation_off_and_small_ones_back_on() -> None:
+    specs = _specs()
+    base, _ = run(_llm(False), specs)
+    llm_p, choices_p = _adaptive(True, 2)
+    llm_b, choices_b = _adaptive(False, 2)
+    pipelined, audit_p = run(llm_p, specs)
+    blocking, audit_b = run(llm_b, specs)
+    assert pipelined == base and blocking == base  # greedy: identical tokens
+    assert pipelined == blocking and audit_p.schedule == audit_b.schedule
+    assert choices_p == choices_b
+    assert all(k == (0 if b >= 2 else K) for b, k in choices_p)
+    big = [i for i, (b, _) in enumerate(choices_p) if b >= 2]
+    small = [i for i, (b, _) in enumerate(choices_p) if b == 1]
+    assert big and small and max(big) < min(small)  # off while 4..2 run, then back on
+    assert _accepted(llm_p) == _accepted(llm_b) > 0
+    # Rows planned while off verify no draft: the schedule shows 1-token speculative rows.
+    widths = {n for rows in audit_p.schedule[:len(big)] for _, _, n, s in rows if s}
+    assert K + 1 not in widths
+
+
+def test_an_expensive_cost_everywhere_keeps_speculation_off() -> None:
+    specs = _specs()
+    base, _ = run(_llm(False), specs)
+    llm, choices = _adaptive(True, 1)
+    out, audit = run(llm, specs)
+    assert out == base
+    assert {k for b, k in choices if b} == {0} and _accepted(llm) == 0
+    assert llm.engine.runner.spec.counters.num_drafts == 0
+    assert all(r.spec_k == K for r in audit.requests.values())  # speculative rows throughout
+
+
+def test_measured_cost_model_predicts_from_its_prior_then_measurements() -> None:
+    model = MeasuredCostModel(saturation_tokens=64)
+    assert model.step_time(8, 3) == 1.0 and model.step_time(64, 3) == 4.0  # the roofline prior
+    model.observe(8, 3, 0.02)
+    assert model.step_time(8, 3) == 0.02
+    assert model.step_time(7, 0) == pytest.approx(0.02)  # same bucket, memory-bound prior
+    assert model.step_time(64, 3) == pytest.approx(0.02 * 4)  # another bucket: the prior's ratio
+    model.observe(8, 3, 0.04)
+    assert model.step_time(8, 3) == pytest.approx(0.02 + 0.25 * 0.02)
+    assert bucket(1) == 1 and bucket(5) == 8 and bucket(8) == 8
+
+
+def test_the_policy_weighs_acceptance_against_step_time() -> None:
+    from photon.spec.stats import SpecDecodingStats
+
+    stats = SpecDecodingStats(100, 300, 150, [80, 50, 20])
+    policy = AdaptiveSpec(3, stats, ExpensiveFrom(1 << 30))
+    assert policy.expected_tokens(0) == 1.0
+    assert policy.expected_tokens(3) == pytest.approx(
+        1 + sum((a + 8 * 0.6 ** (j + 1)) / 108 for j, a in enumerate([80, 50, 20])))
+    assert policy.choose(4) == 3  # at half a plain step's cost any drafts pay
+    policy.cost = MeasuredCostModel(saturation_tokens=4)  # the roofline prior: saturated
+    assert policy.choose(1) == 3 and policy.choose(64) == 0
