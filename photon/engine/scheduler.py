@@ -30,8 +30,9 @@ from photon.core.step import (
     StepPlan,
     request_table_size,
 )
+from photon.engine.append import append_prompt_scores, append_token, check_stop
 from photon.engine.kv_cache import KVCacheManager, PrefixMatch
-from photon.engine.logprobs import TokenText, logprob_entry
+from photon.engine.logprobs import TokenText
 from photon.engine.request import FinishReason, Request, RequestStatus
 from photon.spec.adaptive import SpecPolicy
 from photon.structured.backend import GrammarError
@@ -348,35 +349,17 @@ class Scheduler:
             self.kv.shrink(req.key, max(bound, req.num_computed_tokens))
 
     def add_prompt_logprobs(self, scores: list[PromptScores]) -> None:
-        """Append a step's prompt logprobs; tokens already collected (scored again by the
-        recompute of a preempted request) are skipped."""
         for s in scores:
             req = self.request_at(s.req_index)  # held: the scored step is not committed yet
-            if req.prompt_logprobs is None:
-                continue
-            text = self._text_for(req)
-            for j, lp in enumerate(s.logprobs):
-                if s.first + j == len(req.prompt_logprobs):
-                    req.prompt_logprobs.append(logprob_entry(
-                        req.prompt_token_ids[s.first + j], lp, s.ranks[j], s.top_ids[j],
-                        s.top_logprobs[j], text))
+            if req.prompt_logprobs is not None:
+                append_prompt_scores(req, s, self._text_for(req))
 
     def _text_for(self, req: Request) -> TokenText | None:
         return self.token_text if req.params.detokenize else None
 
     def _append(self, req: Request, tok: CommittedToken, grammar_ended: bool) -> None:
-        req.output_token_ids.append(tok.token_id)
-        want = req.params.logprobs
-        if want is not None and tok.logprob is not None:
-            req.cumulative_logprob += tok.logprob
-            req.logprobs.append(logprob_entry(tok.token_id, tok.logprob, tok.rank or 0,
-                                              (tok.top_ids or ())[:want],
-                                              (tok.top_logprobs or ())[:want],
-                                              self._text_for(req)))
-        check = len(req.output_token_ids) >= req.params.min_tokens  # stop strings count from it
-        stop_str = req.detokenizer.update(tok.token_id, check) if req.detokenizer else None
-        reason = FinishReason.STOP if grammar_ended else self._check_stop(req, tok.token_id,
-                                                                           stop_str)
+        stop_str = append_token(req, tok, self._text_for(req))
+        reason = FinishReason.STOP if grammar_ended else check_stop(req, tok.token_id, stop_str)
         if reason is not None:
             self.finish(req, reason)
 
@@ -404,21 +387,6 @@ class Scheduler:
             req.error = error
             self.finish(req, FinishReason.ABORT)
         return failed
-
-    def _check_stop(self, req: Request, token_id: int, stop_str: str | None) -> FinishReason | None:
-        num_out = len(req.output_token_ids)
-        if num_out >= req.params.min_tokens:
-            if not req.params.ignore_eos and token_id in req.eos_token_ids:
-                return FinishReason.STOP
-            if token_id in req.params.stop_token_ids:
-                req.stop_reason = token_id
-                return FinishReason.STOP
-            if stop_str is not None:
-                req.stop_reason = stop_str
-                return FinishReason.STOP
-        if num_out >= req.max_tokens:
-            return FinishReason.LENGTH
-        return None
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """The request's output is final now; its rows still in flight become zombies."""
