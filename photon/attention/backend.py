@@ -62,6 +62,11 @@ class AttentionBackend(ABC):
     hits) from the pages. `decode` must not read device values on the host (CUDA graphs)."""
 
     name: str = ""
+    # Whether `prefill` may run inside a CUDA graph (speculative decode steps): it reads no
+    # device value on the host, and of the host fields only `query_lens_host` (the longest query:
+    # the grid) and the number of sequences, so a captured call passes static bounds
+    # (`seq_lens_exact` False: the kernel reads `seq_lens` from the device).
+    varlen_capturable: bool = False
 
     def forward(
         self,

@@ -326,6 +326,9 @@ class TritonPagedBackend(AttentionBackend):
     name = "triton"
     # Decode cost follows seq_lens, not the block-table width: one graph per batch size suffices.
     decode_cost_depends_on_width = False
+    # varlen_attention's grid comes from the host's query lengths and the block table's shape;
+    # lengths and offsets are read on the device (a graph captures bounds: max_q_len = K + 1).
+    varlen_capturable = True
 
     write_kv = staticmethod(write_kv)
     decode = staticmethod(decode_attention)

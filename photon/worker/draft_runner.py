@@ -52,7 +52,8 @@ class DraftRunner:
 
     def decode(self, dev: StepInputs[Tensor], num_rows: int, num_proposing: int) -> DraftDecode:
         """The draft step of a sampled step's proposing requests (`dev.propose_reqs`, of which
-        the host knows there are `num_proposing`)."""
+        the host knows there are `num_proposing`); `num_rows`: the staged rows (a graph's
+        padding rows included: the rows of `dev.block_tables`)."""
         # A sampling row's logits index lies in its step row's query span.
         step_row = torch.searchsorted(dev.query_start_loc[1:num_rows + 1], dev.logits_indices,
                                       right=True)

@@ -42,7 +42,7 @@ from photon.sampling_params import MAX_LOGPROBS
 from photon.spec.draft_config import draft_model_config
 from photon.structured.backend import bitmask_width
 from photon.structured.bitmask import MaskViews, TokenMask, mask_numel
-from photon.worker.cuda_graph import DecodeGraphs, pad_decode_inputs
+from photon.worker.cuda_graph import GraphModel, staged_rows
 from photon.worker.decode_inputs import build_decode_inputs, is_plain_decode
 from photon.worker.draft_runner import DraftRunner, kv_block_bytes
 from photon.worker.inputs import HostStep, build_step_inputs
@@ -50,6 +50,7 @@ from photon.worker.probe import StepMarks, StepProbe
 from photon.worker.request_table import RequestTable
 from photon.worker.sampler import Sampler, SamplingBatch, token_logprobs
 from photon.worker.slots import StepSlot, Streams
+from photon.worker.spec_graphs import GraphKey, StepGraphs
 from photon.worker.spec_step import SpecDecoder
 
 CPU_DEFAULT_KV_BYTES = 256 << 20
@@ -64,7 +65,7 @@ class PreparedStep:
     rows: list[ScheduledRow]
     host: HostStep
     dev: StepInputs[torch.Tensor]  # device views of the staged inputs (valid after the upload)
-    graph_key: tuple[int, int] | None
+    graph_key: GraphKey | None
     step: int  # the plan's step number
 
 
@@ -133,11 +134,10 @@ class ModelRunner:
                                mask_numel(max_seqs, words)) for i in range(2)]
         self.sampler = Sampler(fused=config.model.use_triton)
         self.probe: StepProbe | None = None
-        self.graphs: DecodeGraphs | None = None
-        # Steps run eagerly with a draft model (its forwards follow the target's).
-        if self.device.type == "cuda" and not config.enforce_eager and self.draft is None:
-            self.graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, self.token_pool,
-                                       max_seqs, max_blocks, self.device)
+        self.graphs: StepGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            fwd = GraphModel(self.model, self.backend, self.kv_caches, self.token_pool, self.draft)
+            self.graphs = StepGraphs.build(fwd, config, max_blocks, self.device)
             self.graphs.capture()
 
     # ---- sizing -------------------------------------------------------------------------------
@@ -220,11 +220,7 @@ class ModelRunner:
             host = build_step_inputs(rows, self.table, self.block_size, self.pool_width)
         idx, valid = host.pool_valid
         self.table.pool_valid[idx] = valid
-        graph_key = None
-        if self.graphs is not None and host.decode_only:
-            graph_key = self.graphs.bucket(len(rows), host.inputs.block_tables.shape[1])
-            if graph_key is not None:
-                pad_decode_inputs(host.inputs, len(rows), *graph_key)
+        graph_key = None if self.graphs is None else self.graphs.plan(rows, host)
         slot = self.slots[plan.step % 2]
         ints, floats = slot.stage(int_arrays(host.inputs), float_arrays(host.inputs))
         return PreparedStep(slot, rows, host, StepInputs(*ints, *floats), graph_key, plan.step)
@@ -240,7 +236,7 @@ class ModelRunner:
         if host.inputs.write_idx.size:
             self.token_pool.view(-1)[dev.write_idx] = dev.write_ids.to(torch.int32)
         if host.widths is not None:
-            self.spec.resolve(dev, len(prep.rows), host.spec_k)
+            self.spec.resolve(dev, staged_rows(dev), host.spec_k)
         if prep.graph_key is not None:
             hidden = self.graphs.run(prep.graph_key, dev, len(prep.rows))
         else:
@@ -365,7 +361,7 @@ class ModelRunner:
         """The draft model's step for the requests that propose after step `h`."""
         num = h.host.inputs.propose_reqs.size
         if self.draft is not None and num:
-            self.spec.proposer.bind(self.draft.decode(h.dev, len(h.rows), num))
+            self.spec.proposer.bind(self.draft.decode(h.dev, staged_rows(h.dev), num))
 
     # ---- commit's wait -----------------------------------------------------------------------
     def sync(self, h: StepHandle) -> None:

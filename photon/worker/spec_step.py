@@ -49,7 +49,8 @@ class SpecDecoder:
     def resolve(self, dev: StepInputs[Tensor], num_rows: int, k: int) -> None:
         """Fill the speculative rows' positions, input pool entries, KV slots and seq_lens, and
         their sampling rows' counters, lengths and pool entries, from `dev_len` (`k`: the
-        step's K_eff, the drafts each of its speculative rows verifies)."""
+        step's K_eff, the drafts each of its speculative rows verifies; `num_rows`: the staged
+        rows, a graph's padding rows included)."""
         rows, req = dev.spec_rows, dev.spec_reqs
         if rows.numel() == 0:  # a shape: no sync
             return

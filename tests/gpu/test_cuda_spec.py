@@ -1,6 +1,7 @@
 """GPU checks of speculative decoding (n-gram proposer): on CUDA, greedy with speculation gives
-exactly the tokens of greedy without it (float32), pipelined equals blocking, the Triton
-verification runs, and the speculative loop makes no host sync but the commit's wait."""
+exactly the tokens of greedy without it (float32), with CUDA graphs serving the speculative
+steps and eagerly alike, pipelined equals blocking, the Triton verification runs, and the
+speculative loop makes no host sync but the commit's wait."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from photon import LLM, SamplingParams
 from tests.gpu.test_cuda_pipeline import sync_debug_error  # noqa: F401 - the fixture
 from tests.test_pipeline import Spec, run
 from tests.test_spec_engine import GREEDY, _prompts
+from tests.test_spec_graphs import _Cycle
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -27,11 +29,30 @@ def test_greedy_speculation_equals_greedy_cuda(k: int) -> None:
     spec = {**NGRAM, "num_speculative_tokens": k}
     pipelined_llm = LLM(pipelined=True, speculative_config=spec, **KW)
     pipelined, audit_p = run(pipelined_llm, specs)
-    blocking, audit_b = run(LLM(pipelined=False, speculative_config=spec, **KW), specs)
+    blocking_llm = LLM(pipelined=False, speculative_config=spec, **KW)
+    blocking, audit_b = run(blocking_llm, specs)
+    eager, _ = run(LLM(pipelined=True, enforce_eager=True, speculative_config=spec, **KW), specs)
     assert pipelined == base
     assert blocking == base
+    assert eager == base
     assert audit_p.schedule == audit_b.schedule
     assert pipelined_llm.engine.runner.spec.counters.num_accepted_tokens > 0
+    for llm in (pipelined_llm, blocking_llm):  # the speculative steps replayed their graphs
+        assert llm.engine.runner.graphs.spec_replays > 0
+
+
+def test_every_k_eff_replays_a_graph_cuda() -> None:
+    """Adaptive K_eff (a policy cycling 0, 3, 1, 2): 1..K replay speculative graphs, 0 the
+    decode graphs; greedy tokens stay those of greedy decoding."""
+    specs = [Spec(p, GREEDY) for p in _prompts(7)]
+    base, _ = run(LLM(pipelined=False, **KW), specs)
+    llm = LLM(speculative_config={**NGRAM, "adaptive": True}, max_num_seqs=4, **KW)
+    llm.engine.scheduler.spec_policy = _Cycle()
+    out, _ = run(llm, specs)
+    graphs = llm.engine.runner.graphs
+    assert out == base
+    assert graphs.spec_replays > 0 and graphs.decode.replays > 0
+    assert {key.k for key in graphs.spec.graphs} == {1, 2, 3}
 
 
 def test_no_hidden_sync_with_speculation(sync_debug_error: list[int]) -> None:  # noqa: F811
@@ -51,4 +72,5 @@ def test_no_hidden_sync_with_speculation(sync_debug_error: list[int]) -> None:  
     torch.cuda.set_sync_debug_mode(0)
     assert sync_debug_error[0] > 0
     assert core.runner.spec.counters.num_accepted_tokens > 0
+    assert core.runner.graphs.spec_replays > 0  # graphs on: the replays made no sync either
     core.assert_drained()

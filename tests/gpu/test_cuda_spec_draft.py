@@ -1,5 +1,6 @@
 """GPU checks of speculative decoding with a draft model: on CUDA, greedy with the committed
-trained pair gives exactly the tokens of greedy without speculation (float32), pipelined equals
+trained pair gives exactly the tokens of greedy without speculation (float32), with CUDA graphs
+(the draft's catch-up captured with the target's forward) and eagerly alike, pipelined equals
 blocking, the draft is accepted, and the loop makes no host sync but the commit's wait."""
 
 from __future__ import annotations
@@ -34,8 +35,13 @@ def test_draft_model_greedy_equals_greedy_cuda(k: int) -> None:
     base = _greedy(LLM(pipelined=False, **KW))
     pipelined = LLM(pipelined=True, speculative_config=_spec(k), **KW)
     assert _greedy(pipelined) == base
-    assert _greedy(LLM(pipelined=False, speculative_config=_spec(k), **KW)) == base
+    blocking = LLM(pipelined=False, speculative_config=_spec(k), **KW)
+    assert _greedy(blocking) == base
+    eager = LLM(pipelined=True, enforce_eager=True, speculative_config=_spec(k), **KW)
+    assert _greedy(eager) == base
     assert pipelined.engine.runner.spec.counters.num_accepted_tokens > 0
+    for llm in (pipelined, blocking):  # the speculative steps replayed their graphs
+        assert llm.engine.runner.graphs.spec_replays > 0
 
 
 def test_no_hidden_sync_with_a_draft_model(sync_debug_error: list[int]) -> None:  # noqa: F811
@@ -53,4 +59,5 @@ def test_no_hidden_sync_with_a_draft_model(sync_debug_error: list[int]) -> None:
     torch.cuda.set_sync_debug_mode(0)
     assert sync_debug_error[0] > 0
     assert core.runner.spec.counters.num_accepted_tokens > 0
+    assert core.runner.graphs.spec_replays > 0  # graphs on: the replays made no sync either
     core.assert_drained()
