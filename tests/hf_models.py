@@ -9,7 +9,15 @@ _MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+
+# Small MoE settings: 4-8 experts, top-2; Qwen3-MoE with one dense layer (mlp_only_layers) and
+# the router's top-k renormalized.
+QWEN3_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]}
+MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2}
 
 # Small original context so that llama3 scaling touches low, medium and high frequencies.
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
@@ -20,7 +28,7 @@ def build_hf_model(arch: str, *, tied: bool = False, vocab_size: int = 512,
                    hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                    num_kv_heads: int = 2, head_dim: int | None = None,
                    rope_scaling_llama3: bool = False, max_position_embeddings: int = 512,
-                   seed: int = 0) -> torch.nn.Module:
+                   seed: int = 0, extra: dict[str, object] | None = None) -> torch.nn.Module:
     """A random float32 HF model (eager attention) with weights scaled for varied outputs."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -32,6 +40,7 @@ def build_hf_model(arch: str, *, tied: bool = False, vocab_size: int = 512,
         architectures=[arch])
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
+    kwargs.update(extra or {})
     if rope_scaling_llama3:
         kwargs["rope_parameters"] = dict(LLAMA3_ROPE, rope_theta=10000.0)
     config = AutoConfig.for_model(_MODEL_TYPES[arch], **kwargs)
@@ -60,13 +69,14 @@ def make_hf_model(path: str, arch: str, *, tied: bool = False,
                   hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                   num_kv_heads: int = 2, head_dim: int | None = None,
                   rope_scaling_llama3: bool = False, max_position_embeddings: int = 512,
-                  shard_size: str | None = None, seed: int = 0) -> str:
+                  shard_size: str | None = None, seed: int = 0,
+                  extra: dict[str, object] | None = None) -> str:
     """Write a random HF checkpoint (config.json + *.safetensors) to `path`; returns `path`."""
     model = build_hf_model(
         arch, tied=tied, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         rope_scaling_llama3=rope_scaling_llama3,
-        max_position_embeddings=max_position_embeddings, seed=seed)
+        max_position_embeddings=max_position_embeddings, seed=seed, extra=extra)
     model = model.to(dtype)
     # transformers 5 always writes safetensors (the safe_serialization flag is gone).
     model.save_pretrained(path, max_shard_size=shard_size or "50GB")

@@ -21,7 +21,7 @@ from photon.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from photon.model.layers.rotary import rope_settings
 from photon.model.loader import load_model
 from photon.model.registry import get_model_class, supported_architectures
-from tests.hf_models import build_hf_model, make_hf_model
+from tests.hf_models import MIXTRAL, QWEN3_MOE, build_hf_model, make_hf_model
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64  # block 0 is the reserved dummy block
@@ -146,6 +146,8 @@ CASES = {
     "qwen2-tied": dict(arch="Qwen2ForCausalLM", tied=True),
     "qwen3": dict(arch="Qwen3ForCausalLM", head_dim=32),
     "qwen3-tied-mha": dict(arch="Qwen3ForCausalLM", tied=True, head_dim=32, num_kv_heads=4),
+    "qwen3-moe": dict(arch="Qwen3MoeForCausalLM", head_dim=32, num_layers=3, extra=QWEN3_MOE),
+    "mixtral": dict(arch="MixtralForCausalLM", num_layers=3, extra=MIXTRAL),
 }
 
 
@@ -212,7 +214,8 @@ def test_registry() -> None:
     assert get_model_class("MistralForCausalLM").__name__ == "MistralForCausalLM"
     with pytest.raises(ValueError, match=re.escape(
             "unknown model architecture 'GPT2LMHeadModel'; available: LlamaForCausalLM, "
-            "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")):
+            "MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+            "Qwen3MoeForCausalLM")):
         get_model_class("GPT2LMHeadModel")
 
 

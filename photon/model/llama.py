@@ -11,7 +11,7 @@ except the packed `qkv_proj` (q/k/v) and `gate_up_proj` (gate/up).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,13 +89,17 @@ class DecoderMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+# Builds layer i's MLP (dense, or a sparse MoE block in the MoE families).
+MlpFactory = Callable[[int], nn.Module]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: dict[str, Any], layer_idx: int, flags: DecoderFlags,
-                 use_triton: bool) -> None:
+                 use_triton: bool, mlp: nn.Module) -> None:
         super().__init__()
         eps, hidden = float(cfg.get("rms_norm_eps", 1e-6)), int(cfg["hidden_size"])
         self.self_attn = DecoderAttention(cfg, layer_idx, flags, use_triton)
-        self.mlp = DecoderMLP(cfg, flags, use_triton)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden, eps, use_triton)
         self.post_attention_layernorm = RMSNorm(hidden, eps, use_triton)
 
@@ -113,11 +117,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: dict[str, Any], flags: DecoderFlags, use_triton: bool) -> None:
+    def __init__(self, cfg: dict[str, Any], flags: DecoderFlags, use_triton: bool,
+                 make_mlp: MlpFactory) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(int(cfg["vocab_size"]), int(cfg["hidden_size"]))
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, flags, use_triton) for i in range(int(cfg["num_hidden_layers"])))
+            DecoderLayer(cfg, i, flags, use_triton, make_mlp(i))
+            for i in range(int(cfg["num_hidden_layers"])))
         self.norm = RMSNorm(int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6)),
                             use_triton)
 
@@ -168,11 +174,19 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
         # RotaryEmbedding builds its float32 caches explicitly, so the default dtype only
         # affects parameters.
+        flags = self.decoder_flags(hf_config)
         with _default_dtype(dtype), torch.device(device):
-            self.model = DecoderModel(hf_config, self.decoder_flags(hf_config), use_triton)
+            self.model = DecoderModel(hf_config, flags, use_triton,
+                                      lambda i: self.make_mlp(hf_config, i, flags, use_triton))
             self.lm_head = ParallelLMHead(int(hf_config["vocab_size"]), int(hf_config["hidden_size"]))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def make_mlp(cfg: dict[str, Any], layer_idx: int, flags: DecoderFlags,
+                 use_triton: bool) -> nn.Module:
+        """Layer `layer_idx`'s MLP; the MoE families return their sparse block where it applies."""
+        return DecoderMLP(cfg, flags, use_triton)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -182,17 +196,25 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
+    def map_weight_name(self, hf_name: str) -> tuple[str, Any]:
+        """(our parameter name, shard id or None) for a checkpoint tensor name."""
+        return _map_name(hf_name)
+
+    def expected_shards(self, name: str) -> set[Any] | None:
+        """The shard ids that together fill packed parameter `name` (None: not packed)."""
+        return next((want for key, want in _SHARDS.items() if key in name), None)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the names of our parameters that are fully loaded."""
         params = dict(self.named_parameters())
-        seen_shards: dict[str, set[str | int]] = {}
+        seen_shards: dict[str, set[Any]] = {}
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             if "rotary_emb.inv_freq" in hf_name:
                 continue
             if hf_name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
-            name, shard_id = _map_name(hf_name)
+            name, shard_id = self.map_weight_name(hf_name)
             if name not in params:
                 raise ConfigError(f"checkpoint weight {hf_name!r} does not match any parameter "
                                   f"of {type(self).__name__}")
@@ -201,9 +223,8 @@ class LlamaForCausalLM(nn.Module):
                 loaded.add(name)
             else:
                 seen_shards.setdefault(name, set()).add(shard_id)
-        for name, shards in seen_shards.items():
-            if any(key in name and shards == want for key, want in _SHARDS.items()):
-                loaded.add(name)
+        loaded.update(name for name, shards in seen_shards.items()
+                      if shards == self.expected_shards(name))
         return loaded
 
 
@@ -214,7 +235,7 @@ def _map_name(hf_name: str) -> tuple[str, str | int | None]:
     return hf_name, None
 
 
-def _call_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: str | int | None,
+def _call_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: Any,
                  hf_name: str, name: str) -> None:
     loader = param.weight_loader  # type: ignore[attr-defined]
     try:
