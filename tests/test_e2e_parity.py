@@ -9,13 +9,15 @@ import random
 import pytest
 
 from photon import LLM, SamplingParams
-from tests.hf_models import hf_greedy, make_engine_model
+from tests.hf_models import MIXTRAL, QWEN3_MOE, hf_greedy, make_engine_model
 
 ARCHS = {
     "llama-llama3-rope": ("LlamaForCausalLM", {"rope_scaling_llama3": True}),
     "mistral": ("MistralForCausalLM", {}),
     "qwen2-tied": ("Qwen2ForCausalLM", {"tied": True}),
     "qwen3-head-dim": ("Qwen3ForCausalLM", {"head_dim": 32}),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", {"head_dim": 32, "num_layers": 3, "extra": QWEN3_MOE}),
+    "mixtral": ("MixtralForCausalLM", {"num_layers": 3, "extra": MIXTRAL}),
 }
 MAX_NEW = 10
 
