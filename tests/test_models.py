@@ -199,14 +199,20 @@ def test_missing_shard_is_named(tmp_path: os.PathLike) -> None:
         load_model(model_config(path), "cpu")
 
 
-def test_missing_weight_is_named(tmp_path: os.PathLike) -> None:
-    path = make_hf_model(str(tmp_path), "Qwen2ForCausalLM")
+def assert_missing_weight_named(path: str, hf_name: str, param_pattern: str) -> None:
+    """Deleting `hf_name` from the checkpoint makes loading fail naming our parameter."""
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
-    del tensors["model.layers.1.self_attn.k_proj.bias"]
+    del tensors[hf_name]
     save_file(tensors, file, metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.bias"):
+    with pytest.raises(ConfigError, match=param_pattern):
         load_model(model_config(path), "cpu")
+
+
+def test_missing_weight_is_named(tmp_path: os.PathLike) -> None:
+    path = make_hf_model(str(tmp_path), "Qwen2ForCausalLM")
+    assert_missing_weight_named(path, "model.layers.1.self_attn.k_proj.bias",
+                                r"model\.layers\.1\.self_attn\.qkv_proj\.bias")
 
 
 def test_registry() -> None:

@@ -9,15 +9,13 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
-from photon.config import ConfigError
 from photon.model.layers.moe import ExpertRange, FusedMoE, fused_moe_torch, select_experts
 from photon.model.llama import DecoderMLP
 from photon.model.loader import load_model
 from photon.model.sparse_moe import SparseMoeBlock
 from tests.hf_models import MIXTRAL, QWEN3_MOE, make_hf_model
-from tests.test_models import model_config
+from tests.test_models import assert_missing_weight_named, model_config
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -145,9 +143,5 @@ def test_qwen3_moe_sparse_layers_follow_step_and_mlp_only_layers(tmp_path) -> No
 
 def test_missing_expert_weight_is_named(tmp_path) -> None:  # noqa: ANN001
     path = make_hf_model(str(tmp_path), "MixtralForCausalLM", extra=MIXTRAL)
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
-    save_file(tensors, file, metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=r"model\.layers\.1\.mlp\.experts\.w13_weight"):
-        load_model(model_config(path), "cpu")
+    assert_missing_weight_named(path, "model.layers.1.block_sparse_moe.experts.2.w3.weight",
+                                r"model\.layers\.1\.mlp\.experts\.w13_weight")
