@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from photon.bench.roofline import roofline_tok_per_s, shape_costs, simulate_decode
+from photon.bench.shapes import SHAPES, param_count
 from photon.bench.workload import fit_vocab, standard_workload, totals
 from photon.cli import main
 
@@ -54,6 +55,22 @@ def test_roofline_of_the_standard_workload(requests: list[tuple[int, int]], shap
     assert roof == pytest.approx(expected, rel=0.02)
     decode_only = roofline_tok_per_s(requests, shape_costs(shape), H200_BANDWIDTH, 256)
     assert decode_only > roof  # prefill compute only adds time
+
+
+def test_moe_shape_counts_all_experts_and_the_active_ones() -> None:
+    """Qwen3-30B-A3B: 30.5B parameters, 3.3B active per token (the model card's numbers)."""
+    assert param_count("qwen3-30b-a3b") == pytest.approx(30.5e9, rel=0.01)
+    assert param_count("qwen3-30b-a3b", active=True) == pytest.approx(3.3e9, rel=0.02)
+    costs = shape_costs("qwen3-30b-a3b")
+    assert costs.weight_bytes == 2 * param_count("qwen3-30b-a3b")
+    assert costs.param_count == param_count("qwen3-30b-a3b", active=True)
+    assert param_count("llama-3.1-8b", active=True) == param_count("llama-3.1-8b")
+    from photon.model.qwen3_moe import Qwen3MoeForCausalLM
+    from photon.model.sparse_moe import MoESettings
+
+    cfg = SHAPES["qwen3-30b-a3b"]
+    assert Qwen3MoeForCausalLM.moe_settings(cfg) == MoESettings(128, 8, 768, True)
+    assert all(Qwen3MoeForCausalLM.is_sparse_layer(cfg, i) for i in range(48))
 
 
 def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[dict, str]:

@@ -288,7 +288,7 @@ def test_help_of_bench_options_shows_defaults(capsys: pytest.CaptureFixture[str]
     text = _help(capsys, "bench", "structured")
     assert "--batch-sizes BATCH_SIZES [BATCH_SIZES ...] Batch sizes B to time. (default: 32 128)" \
         in text
-    assert "--model-shape {qwen3-0.6b,llama-3.1-8b,tiny}" in text
+    assert "--model-shape {qwen3-0.6b,llama-3.1-8b,qwen3-30b-a3b,tiny}" in text
     text = _help(capsys, "bench", "serve")
     assert "--random-input-len RANDOM_INPUT_LEN Prompt tokens of a random request. " \
            "(default: 1024)" in text

@@ -16,7 +16,9 @@ Prefill compute (optional, `peak_flops`): `2 * params * prompt_tokens / peak_flo
 added (tests/test_bench_throughput.py checks the resulting ceilings of the built-in shapes).
 Weight bytes are `param_count * dtype_bytes` (`photon.bench.shapes.param_count`: a tied embedding
 counted once; an untied one counted twice, embedding + lm_head, although decode only gathers a
-few embedding rows).
+few embedding rows). For an MoE shape the weight bytes count every expert (an upper bound: a
+decode step reads only the experts its batch routes to, most of them once the batch is a few
+dozen requests) and prefill FLOPs count the active parameters (router + top-k experts).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 class ModelCosts:
     weight_bytes: int  # read once per decode step
     kv_bytes_per_token: int  # K and V of one token, all layers
-    param_count: int  # for prefill FLOPs (2 per parameter per token)
+    param_count: int  # for prefill FLOPs (2 per active parameter per token)
 
 
 @dataclass(frozen=True)
@@ -49,10 +51,9 @@ def shape_costs(name: str, dtype_bytes: int = 2) -> ModelCosts:
     from photon.bench.shapes import SHAPES, param_count
 
     c = SHAPES[name]
-    params = param_count(name)
     kv = kv_bytes_per_token(c["num_hidden_layers"], c["num_key_value_heads"], c["head_dim"],
                             dtype_bytes)
-    return ModelCosts(params * dtype_bytes, kv, params)
+    return ModelCosts(param_count(name) * dtype_bytes, kv, param_count(name, active=True))
 
 
 def simulate_decode(requests: Sequence[tuple[int, int]], max_num_seqs: int) -> DecodeTraffic:

@@ -34,6 +34,15 @@ SHAPES: dict[str, dict[str, Any]] = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 128009,
     },
+    "qwen3-30b-a3b": {  # MoE: 128 experts, 8 routed per token, every layer sparse
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 151645,
+    },
     "tiny": {  # for CPU runs of the benchmarks in CI
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 128,
         "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -64,12 +73,21 @@ def attach_tokenizer(model_dir: str, small: bool = False) -> str:
     return model_dir
 
 
-def param_count(name: str) -> int:
-    """Parameters of a shape (embedding counted once when tied)."""
+def param_count(name: str, active: bool = False) -> int:
+    """Parameters of a shape (embedding counted once when tied). `active`: only those one token
+    uses (an MoE layer's router and its top-k experts instead of all experts)."""
     c = SHAPES[name]
-    h, i, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    h, layers = c["hidden_size"], c["num_hidden_layers"]
     q = c["num_attention_heads"] * c["head_dim"]
     kv = c["num_key_value_heads"] * c["head_dim"]
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + 2 * c["head_dim"]
+    per_layer = h * (q + 2 * kv) + q * h + _mlp_params(c, active) + 2 * h + 2 * c["head_dim"]
     emb = c["vocab_size"] * h
     return layers * per_layer + emb * (1 if c["tie_word_embeddings"] else 2) + h
+
+
+def _mlp_params(c: dict[str, Any], active: bool) -> int:
+    h = c["hidden_size"]
+    if "num_experts" not in c:
+        return 3 * h * c["intermediate_size"]
+    experts = c["num_experts_per_tok"] if active else c["num_experts"]
+    return experts * 3 * h * c["moe_intermediate_size"] + h * c["num_experts"]
