@@ -78,6 +78,7 @@ def test_expert_ranges_partition_the_output() -> None:
 def test_weight_loader_checks_the_expert_and_its_shape() -> None:
     moe = FusedMoE(4, 2, hidden_size=8, intermediate_size=6, renormalize=True,
                    experts=ExpertRange(4, 2, 4))
+    moe.w13_weight.data.zero_()  # torch.empty may hold NaNs, which never compare equal
     gate = torch.randn(6, 8)
     moe.weight_loader(moe.w13_weight, gate, (3, "w1"))
     assert torch.equal(moe.w13_weight[1, :6], gate)
