@@ -104,3 +104,21 @@ def test_tp_flag_alias() -> None:
     add_engine_args(parser)
     assert parser.parse_args(["-tp", "2"]).tensor_parallel_size == 2
     assert parser.parse_args(["--tensor-parallel-size", "4"]).tensor_parallel_size == 4
+
+
+def test_engine_core_process_tp2(model_and_reference: tuple[str, dict]) -> None:
+    """`photon serve`'s engine-core process runs rank 0 and starts the worker itself: its
+    streams carry the tokens of the in-process TP=1 engine."""
+    from photon.engine.async_llm import AsyncLLM
+    from tests.engine_pair import Case, run_cases
+    from tests.tp_util import prompt_of, requests
+
+    path, reference = model_and_reference
+    remote = AsyncLLM(tp_config(path, 2))
+    remote.start()
+    try:
+        cases = [Case(rid, prompt_of(rid), p) for rid, p in requests().items()]
+        results = run_cases(remote, cases)
+    finally:
+        remote.shutdown()
+    assert {rid: r.sequences[0].token_ids for rid, r in results.items()} == reference
