@@ -81,9 +81,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine arguments (vLLM names)")
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
+        names = (flag, *f.metadata.get("aliases", ()))
         help_text = f.metadata.get("help", "")
         if f.type in ("bool", bool):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+            group.add_argument(*names, action=argparse.BooleanOptionalAction, default=f.default,
                                help=help_text)
             continue
         base = str(f.type).split(" | ")[0]  # annotations are strings: "int | None"
@@ -92,7 +93,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         # Allowed values show in the metavar; EngineArgs.create_config checks them (one message
         # for the Python API and the CLI).
         metavar = "{" + ",".join(choices) + "}" if choices else None
-        group.add_argument(flag, type=kind, default=f.default, help=help_text, metavar=metavar)
+        group.add_argument(*names, type=kind, default=f.default, help=help_text, metavar=metavar)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

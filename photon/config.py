@@ -120,6 +120,49 @@ class StructuredOutputsConfig:
         return GrammarLimits(self.max_chars, self.max_choices)
 
 
+# The dense decoders (photon.model.llama's graph): their layers take a tensor-parallel group.
+TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                 "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """--tensor-parallel-size: ranks, one process each (rank 0 in the engine core's process)."""
+
+    tensor_parallel_size: int = 1
+    # A collective waiting longer than this for a rank ends the engine (a rank died or hangs).
+    collective_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(f"collective timeout must be > 0 seconds, "
+                              f"got {self.collective_timeout_s!r}")
+
+    def check_model(self, architecture: str, hf_config: dict[str, Any]) -> None:
+        """The model has a tensor-parallel layout and its heads and widths split evenly over the
+        ranks (ConfigError otherwise)."""
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        name = flag("tensor_parallel_size")
+        if architecture not in TENSOR_PARALLEL_ARCHITECTURES:
+            raise ConfigError(f"{name}={tp}: {architecture} has no tensor-parallel layout yet; "
+                              f"supported: {', '.join(TENSOR_PARALLEL_ARCHITECTURES)}")
+        heads = int(hf_config["num_attention_heads"])
+        kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+        if heads % tp:
+            raise ConfigError(f"{name}={tp} must divide the model's num_attention_heads={heads}")
+        if (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
+            raise ConfigError(
+                f"{name}={tp} and the model's num_key_value_heads={kv_heads}: the KV heads "
+                f"must split evenly over the ranks, or (fewer heads than ranks) the ranks "
+                f"evenly over the heads")
+        inter = int(hf_config.get("intermediate_size") or 0)
+        if inter % tp:
+            raise ConfigError(f"{name}={tp} must divide the model's intermediate_size={inter}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -132,6 +175,7 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig
     reasoning_parser: str | None = None
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def pipeline_depth(self) -> int:
@@ -228,6 +272,10 @@ class EngineArgs:
         "reasoning_content, the rest as content, and structured outputs constrain only the "
         "text after the reasoning. Default: none (all output is content).",
         tuple(reasoning_parser_names())))
+    tensor_parallel_size: int = field(default=1, metadata={**_help(
+        "Tensor parallelism: split every layer over this many ranks, one process each (gloo on "
+        "CPU, NCCL on CUDA); the model's attention heads must split evenly."),
+        "aliases": ("-tp",)})
     speculative_config: str | dict[str, Any] | SpeculativeConfig | None = field(
         default=None, metadata=_help(
             "Speculative decoding, as a JSON object (a dict in Python): "
@@ -292,6 +340,7 @@ class EngineArgs:
             structured_outputs=self.structured_outputs_config(),
             reasoning_parser=_reasoning_parser(self.reasoning_parser),
             speculative_config=_speculative_config(self.speculative_config),
+            parallel=_parallel_config(self.tensor_parallel_size, arch, hf_config),
         )
 
     def structured_outputs_config(self) -> StructuredOutputsConfig:
@@ -359,6 +408,13 @@ def _speculative_config(value: object) -> SpeculativeConfig | None:
     from photon.spec.config import parse_speculative_config
 
     return parse_speculative_config(value)
+
+
+def _parallel_config(tensor_parallel_size: int, architecture: str,
+                     hf_config: dict[str, Any]) -> ParallelConfig:
+    parallel = ParallelConfig(tensor_parallel_size)
+    parallel.check_model(architecture, hf_config)
+    return parallel
 
 
 def _attention_backend(name: str, device: str) -> str:

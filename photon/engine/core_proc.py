@@ -118,6 +118,7 @@ def run_engine_core(config: EngineConfig, clients: list[ClientAddresses]) -> Non
     finally:
         if core is not None:
             core.structured.shutdown()
+            core.shutdown()
         inputs.close(linger=0)
         for out in outputs:
             out.close(linger=1000)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from photon.config import EngineConfig
 from photon.core.sampling import derive_key, pack_sampling
 from photon.core.step import request_table_size
+from photon.distributed.workers import PlanBroadcast, TPWorkers
 from photon.engine.detokenizer import IncrementalDetokenizer
 from photon.engine.kv_cache import KVCacheManager
 from photon.engine.logprobs import TokenTexts
@@ -89,7 +90,14 @@ class EngineCore:
             max_rows=config.scheduler.max_num_seqs, cuda=config.device == "cuda")
         self.grammar = GrammarStep(self.structured,
                                    request_table_size(config.scheduler.max_num_seqs))
-        self.runner = ModelRunner(config, masks=self.grammar, on_fault=self._fail_request)
+        # tp > 1: ranks 1.. run in worker processes; this process is rank 0.
+        self.workers = None if config.parallel.tensor_parallel_size == 1 else TPWorkers(config)
+        try:
+            self.runner = ModelRunner(config, masks=self.grammar, on_fault=self._fail_request,
+                                      tp=self.workers.group if self.workers else None)
+        except BaseException:
+            self.shutdown()
+            raise
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
         spec = config.speculative_config
@@ -100,7 +108,9 @@ class EngineCore:
                                    draft_lookahead=self.runner.draft_lookahead)
         if spec is not None and spec.adaptive:  # the adaptive switch: K_eff per step from a cost model
             self.scheduler.spec_policy = AdaptiveSpec(spec.k, self.runner.spec.counters)
-        self.pipeline = Pipeline(self.scheduler, self.runner, self.grammar,
+        step_runner = self.runner if self.workers is None \
+            else PlanBroadcast(self.runner, self.workers)
+        self.pipeline = Pipeline(self.scheduler, step_runner, self.grammar,
                                  config.pipeline_depth)
         self._rng = random.Random(config.model.seed)
         self._ids = itertools.count()
@@ -126,6 +136,9 @@ class EngineCore:
         with delta=True each output carries only what is new (see the module docstring)."""
         vocab = self.config.model.vocab_size
         params.validate_token_ids(vocab)
+        if params.structured_outputs is not None and self.workers is not None:
+            raise ValueError("structured_outputs: not supported with tensor_parallel_size > 1 yet "
+                             "(the ranks would need the grammar masks)")
         text, ids = self.tokenize_prompt(prompt)
         max_tokens = self.checks.max_tokens(len(ids), params)
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -165,6 +178,11 @@ class EngineCore:
                 or self.reasoning.is_reasoning_end(prompt_ids):
             return None
         return self.reasoning.end_token_id
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (idempotent; nothing to do with one rank)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     def abort(self, request_id: str) -> None:
         """Abort a request (all its sequences), or one sequence of an n > 1 request by its child
@@ -312,6 +330,9 @@ class EngineCore:
         assert len(sched.free_indices) == len(sched.by_index), "request indices leaked"
         live = self.runner.table.num_live
         assert live == 0, f"{live} rows of the runner's table still held"
+        if self.workers is not None:
+            live = self.workers.audit_live_rows()
+            assert live == 0, f"{live} rows of a tensor-parallel worker's table still held"
         if self.structured is not None and self.structured.started:
             assert self.structured.executor.open_matchers == 0, "grammar matchers leaked"
         self.kv.check_invariants()

@@ -20,6 +20,7 @@ from torch import nn
 
 from photon.attention.backend import ForwardContext
 from photon.config import ConfigError
+from photon.distributed.group import TPGroup
 from photon.model.layers import (
     Attention,
     MergedColumnParallelLinear,
@@ -47,14 +48,14 @@ def head_dim_of(cfg: dict[str, Any]) -> int:
 
 class DecoderAttention(nn.Module):
     def __init__(self, cfg: dict[str, Any], layer_idx: int, flags: DecoderFlags,
-                 use_triton: bool) -> None:
+                 use_triton: bool, tp: TPGroup | None = None) -> None:
         super().__init__()
         hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
         head_dim = head_dim_of(cfg)
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads,
-                                          bias=flags.qkv_bias)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=flags.o_bias)
+                                          bias=flags.qkv_bias, tp=tp)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=flags.o_bias, tp=tp)
         eps = float(cfg.get("rms_norm_eps", 1e-6))
         self.q_norm = RMSNorm(head_dim, eps, use_triton) if flags.qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, use_triton) if flags.qk_norm else None
@@ -75,14 +76,16 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, cfg: dict[str, Any], flags: DecoderFlags, use_triton: bool) -> None:
+    def __init__(self, cfg: dict[str, Any], flags: DecoderFlags, use_triton: bool,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"unsupported hidden_act {act!r} (only silu)")
         hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=flags.mlp_bias)
-        self.down_proj = RowParallelLinear(inter, hidden, bias=flags.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=flags.mlp_bias,
+                                                       tp=tp)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=flags.mlp_bias, tp=tp)
         self.act_fn = SiluAndMul(use_triton)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,10 +98,10 @@ MlpFactory = Callable[[int], nn.Module]
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: dict[str, Any], layer_idx: int, flags: DecoderFlags,
-                 use_triton: bool, mlp: nn.Module) -> None:
+                 use_triton: bool, mlp: nn.Module, tp: TPGroup | None = None) -> None:
         super().__init__()
         eps, hidden = float(cfg.get("rms_norm_eps", 1e-6)), int(cfg["hidden_size"])
-        self.self_attn = DecoderAttention(cfg, layer_idx, flags, use_triton)
+        self.self_attn = DecoderAttention(cfg, layer_idx, flags, use_triton, tp)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden, eps, use_triton)
         self.post_attention_layernorm = RMSNorm(hidden, eps, use_triton)
@@ -118,11 +121,12 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: dict[str, Any], flags: DecoderFlags, use_triton: bool,
-                 make_mlp: MlpFactory) -> None:
+                 make_mlp: MlpFactory, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(int(cfg["vocab_size"]), int(cfg["hidden_size"]))
+        self.embed_tokens = VocabParallelEmbedding(int(cfg["vocab_size"]), int(cfg["hidden_size"]),
+                                                   tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, flags, use_triton, make_mlp(i))
+            DecoderLayer(cfg, i, flags, use_triton, make_mlp(i), tp)
             for i in range(int(cfg["num_hidden_layers"])))
         self.norm = RMSNorm(int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6)),
                             use_triton)
@@ -166,9 +170,11 @@ class LlamaForCausalLM(nn.Module):
                             mlp_bias=bool(cfg.get("mlp_bias", False)))
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype,
-                 device: torch.device | str, use_triton: bool = False) -> None:
+                 device: torch.device | str, use_triton: bool = False,
+                 tp: TPGroup | None = None) -> None:
         """use_triton: the layers run photon.kernels' Triton kernels on CUDA tensors (else the
-        torch ops; ModelConfig.use_triton says which)."""
+        torch ops; ModelConfig.use_triton says which). tp: this rank's tensor-parallel group
+        (None: one rank); the layers hold and load only the rank's shards."""
         super().__init__()
         self.hf_config = hf_config
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
@@ -176,17 +182,19 @@ class LlamaForCausalLM(nn.Module):
         # affects parameters.
         flags = self.decoder_flags(hf_config)
         with _default_dtype(dtype), torch.device(device):
-            self.model = DecoderModel(hf_config, flags, use_triton,
-                                      lambda i: self.make_mlp(hf_config, i, flags, use_triton))
-            self.lm_head = ParallelLMHead(int(hf_config["vocab_size"]), int(hf_config["hidden_size"]))
+            self.model = DecoderModel(
+                hf_config, flags, use_triton,
+                lambda i: self.make_mlp(hf_config, i, flags, use_triton, tp), tp)
+            self.lm_head = ParallelLMHead(int(hf_config["vocab_size"]),
+                                          int(hf_config["hidden_size"]), tp)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @staticmethod
     def make_mlp(cfg: dict[str, Any], layer_idx: int, flags: DecoderFlags,
-                 use_triton: bool) -> nn.Module:
+                 use_triton: bool, tp: TPGroup | None = None) -> nn.Module:
         """Layer `layer_idx`'s MLP; the MoE families return their sparse block where it applies."""
-        return DecoderMLP(cfg, flags, use_triton)
+        return DecoderMLP(cfg, flags, use_triton, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:

@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from photon.config import ConfigError, ModelConfig
+from photon.distributed.group import TPGroup
 from photon.model.registry import get_model_class
 
 
@@ -53,12 +54,16 @@ def iter_weights(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, to
                 yield name, tensor
 
 
-def load_model(model_config: ModelConfig, device: str) -> nn.Module:
+def load_model(model_config: ModelConfig, device: str, tp: TPGroup | None = None) -> nn.Module:
+    """The model on `device`; with a tensor-parallel group of more than one rank, this rank's
+    shards only (each checkpoint tensor is sliced as it is read)."""
     cls = get_model_class(model_config.architecture)
     torch_device = torch.device(device)
+    # One rank: the model classes' own signature (those without tensor parallelism take no tp).
+    parallel = {"tp": tp} if tp is not None and tp.size > 1 else {}
     with torch_device:
         model = cls(model_config.hf_config, model_config.dtype, torch_device,
-                    use_triton=model_config.use_triton)
+                    use_triton=model_config.use_triton, **parallel)
     if model_config.load_format == "dummy":
         _init_dummy(model, model_config.seed)
     else:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from photon.config import ConfigError
+from photon.distributed.group import TPGroup
 from photon.model.layers import ReplicatedLinear
 from photon.model.layers.moe import FusedMoE
 from photon.model.llama import DecoderFlags, LlamaForCausalLM
@@ -76,9 +77,10 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def make_mlp(cls, cfg: dict[str, Any], layer_idx: int, flags: DecoderFlags,
-                 use_triton: bool) -> nn.Module:
+                 use_triton: bool, tp: TPGroup | None = None) -> nn.Module:
+        # Tensor parallelism is refused for the MoE families at config time: tp is None here.
         if not cls.is_sparse_layer(cfg, layer_idx):
-            return super().make_mlp(cfg, layer_idx, flags, use_triton)
+            return super().make_mlp(cfg, layer_idx, flags, use_triton, tp)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"unsupported hidden_act {cfg.get('hidden_act')!r} (only silu)")
         return SparseMoeBlock(int(cfg["hidden_size"]), cls.moe_settings(cfg), use_triton)

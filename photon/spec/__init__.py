@@ -23,6 +23,10 @@ def check_supported(config: EngineConfig) -> None:
     spec = config.speculative_config
     if spec is None:
         return
+    tp = config.parallel.tensor_parallel_size
+    if tp > 1:
+        raise ConfigError(f"speculative_config (--speculative-config) is not supported with "
+                          f"tensor_parallel_size (--tensor-parallel-size) > 1 yet (got {tp})")
     if spec.method not in ("ngram", "draft_model"):
         raise ConfigError(
             f"speculative_config (--speculative-config): method {spec.method!r} is not "

@@ -37,6 +37,7 @@ from photon.core.step import (
     StepPlan,
     request_table_size,
 )
+from photon.distributed.group import TPGroup
 from photon.model.loader import load_model
 from photon.sampling_params import MAX_LOGPROBS
 from photon.spec.draft_config import draft_model_config
@@ -84,8 +85,12 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, masks: MaskSource | None = None,
-                 on_fault: Callable[[int, str], None] | None = None) -> None:
+                 on_fault: Callable[[int, str], None] | None = None,
+                 tp: TPGroup | None = None) -> None:
+        """tp: this rank's tensor-parallel group (None: one rank). Every rank builds a runner over
+        its shard of the model and the KV heads; only rank 0 downloads the sampled tokens."""
         self.config = config
+        self.tp = tp if tp is not None else TPGroup.single()
         self.masks = masks  # the grammar masks of steps with a grammar row
         # Ends the request at an index whose inputs could not be staged (see _add_requests);
         # None: raise. Held weakly: the engine owning this runner passes its own method, and a
@@ -96,7 +101,7 @@ class ModelRunner:
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
         torch.manual_seed(config.model.seed)
-        self.model = load_model(config.model, config.device)
+        self.model = load_model(config.model, config.device, self.tp)
         self.backend = create_backend(config.attention_backend, config.device)
         spec = config.speculative_config
         # method draft_model: a second model whose KV blocks share the target's block ids
@@ -104,7 +109,8 @@ class ModelRunner:
                              and spec.method == "draft_model" else None)
         self.num_blocks = self._num_blocks()
         mc = config.model
-        shape = (2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (2, self.num_blocks, self.block_size, self.tp.local_kv_heads(mc.num_kv_heads),
+                 mc.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(mc.num_layers)]
         max_seqs = config.scheduler.max_num_seqs
@@ -135,15 +141,19 @@ class ModelRunner:
         self.sampler = Sampler(fused=config.model.use_triton)
         self.probe: StepProbe | None = None
         self.graphs: StepGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # Graphs capture one rank's kernels only: with tp > 1 the steps run eagerly.
+        if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1:
             fwd = GraphModel(self.model, self.backend, self.kv_caches, self.token_pool, self.draft)
             self.graphs = StepGraphs.build(fwd, config, max_blocks, self.device)
             self.graphs.capture()
 
     # ---- sizing -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        """A block id's bytes: the target's KV block, plus the draft model's (same id)."""
-        size = kv_block_bytes(self.config.model, self.block_size)
+        """A block id's bytes on this rank: the target's KV block (this rank's KV heads), plus the
+        draft model's (same id)."""
+        mc = self.config.model
+        size = (kv_block_bytes(mc, self.block_size) // mc.num_kv_heads
+                * self.tp.local_kv_heads(mc.num_kv_heads))
         if self.draft_config is not None:
             size += kv_block_bytes(self.draft_config, self.block_size)
         return size
@@ -152,6 +162,7 @@ class ModelRunner:
         """Usable blocks + the reserved null block 0. Refuses to start when one max_model_len
         request would not fit (every long request would fail)."""
         usable, remedy = self._usable_blocks()
+        usable = self.tp.min_int(usable)  # the block ids every rank can hold
         check_kv_capacity(usable, self.block_size, self.config.model.max_model_len, remedy)
         return usable + 1
 
@@ -355,7 +366,8 @@ class ModelRunner:
             self.token_pool.view(-1)[h.dev.sample_pool_idx] = tokens.to(torch.int32)
         if h.marks is not None:
             self.probe.mark(h.marks, "smp_end")
-        h.slot.download(self.streams, rows, k)
+        # The other ranks sampled the same tokens into their pools; only rank 0's reach the host.
+        h.slot.download(self.streams, rows if self.tp.is_first else 0, k)
 
     def _bind_draft(self, h: StepHandle) -> None:
         """The draft model's step for the requests that propose after step `h`."""

@@ -1,4 +1,4 @@
-"""Vocabulary-parallel embedding and LM head (tp_size is 1 for now)."""
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous range of the vocabulary."""
 
 from __future__ import annotations
 
@@ -6,15 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from photon.model.layers.linear import copy_into, new_param, tp_rank_and_size
+from photon.distributed.group import TPGroup
+from photon.model.layers.linear import copy_into, new_param, tp_or_single
 
 
 class VocabParallelEmbedding(nn.Module):
     """Each rank holds a contiguous vocab range [vocab_start, vocab_end)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp = tp_or_single(tp)
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.vocab_size = vocab_size
         self.vocab_per_partition = -(-vocab_size // self.tp_size)
         self.vocab_start = self.tp_rank * self.vocab_per_partition
@@ -28,6 +30,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"expected vocab_size={self.vocab_size} rows")
         rows = self.vocab_end - self.vocab_start
         copy_into(param.data[:rows], loaded[self.vocab_start:self.vocab_end])
+        param.data[rows:].zero_()  # padding rows of the last rank: their logits are cut off
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -36,15 +39,15 @@ class VocabParallelEmbedding(nn.Module):
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(in_range, input_ids - self.vocab_start, 0)
         out = F.embedding(local, self.weight) * in_range[..., None].to(self.weight.dtype)
-        torch.distributed.all_reduce(out)
-        return out
+        return self.tp.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection sharing VocabParallelEmbedding's layout (so it can be tied to it)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab_size]."""
-        if self.tp_size > 1:
-            raise NotImplementedError("tensor-parallel logits gather is not implemented yet")
-        return F.linear(hidden, self.weight)[:, :self.vocab_size].float()
+        """hidden [N, hidden] -> float32 logits [N, vocab_size]; with tp > 1 every rank gets the
+        whole row (its vocabulary slice gathered with the others', in rank order), so sampling
+        sees the same logits on every rank."""
+        local = F.linear(hidden, self.weight)
+        return self.tp.all_gather(local, dim=-1)[:, :self.vocab_size].float()

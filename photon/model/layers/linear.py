@@ -1,4 +1,6 @@
-"""Linear layers laid out for tensor parallelism (tp_size is 1 for now).
+"""Linear layers laid out for tensor parallelism.
+
+Each layer takes the rank's `TPGroup` at construction (None: a single rank, no collectives).
 
 Every parameter carries `weight_loader(param, loaded[, shard_id])` that copies a full (unsharded)
 checkpoint tensor into this rank's slice of the parameter. Parameters are created with
@@ -13,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from photon.distributed.group import TPGroup
 
-def tp_rank_and_size() -> tuple[int, int]:
-    """This process's tensor-parallel rank and world size. Single-GPU until TP lands."""
-    return 0, 1
+
+def tp_or_single(tp: TPGroup | None) -> TPGroup:
+    return tp if tp is not None else TPGroup.single()
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -63,9 +66,11 @@ class ReplicatedLinear(nn.Module):
 class ColumnParallelLinear(nn.Module):
     """Output dim split across ranks; each rank returns its slice (no gather)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp = tp_or_single(tp)
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.output_size_per_partition = _divide(output_size, self.tp_size, "output_size")
         self.weight = new_param(self.output_size_per_partition, input_size,
                                  loader=self.weight_loader)
@@ -83,9 +88,10 @@ class ColumnParallelLinear(nn.Module):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stacked in one matrix (e.g. gate_up: shard 0 gate, 1 up)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 tp: TPGroup | None = None) -> None:
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, tp)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,  # type: ignore[override]
                       shard_id: int) -> None:
@@ -99,15 +105,15 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections packed as [q | k | v] along the output dim (per rank)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False) -> None:
-        _, tp_size = tp_rank_and_size()
+                 bias: bool = False, tp: TPGroup | None = None) -> None:
+        tp_size = tp_or_single(tp).size
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp_size, "num_heads")
         # KV heads are replicated when there are fewer of them than ranks.
         self.num_kv_heads = max(1, num_kv_heads // tp_size)
         self.kv_replicas = max(1, tp_size // num_kv_heads)
         total = (num_heads + 2 * self.num_kv_heads * tp_size) * head_dim
-        super().__init__(hidden_size, total, bias)
+        super().__init__(hidden_size, total, bias, tp)
 
     @property
     def q_size(self) -> int:
@@ -136,9 +142,11 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """Input dim split across ranks; partial outputs are summed (all-reduce when tp_size > 1)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp = tp_or_single(tp)
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.input_size_per_partition = _divide(input_size, self.tp_size, "input_size")
         self.weight = new_param(output_size, self.input_size_per_partition,
                                  loader=self.weight_loader)
@@ -152,5 +160,5 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
-            torch.distributed.all_reduce(out)
+            self.tp.all_reduce(out)
         return out

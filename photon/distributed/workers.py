@@ -1,0 +1,194 @@
+"""The worker processes of ranks 1..tp-1 and the driver that feeds them one message per step.
+
+Rank 0 runs in the engine core's process (in `LLM`'s process, or the core process of `photon
+serve`): its `ModelRunner` is driven by the pipeline through `PlanBroadcast`, which broadcasts
+each `StepPlan` once, as msgspec bytes over the group's gloo CPU group, before staging it. Each
+worker (spawned, so it starts from a clean interpreter on any platform) builds its own
+`ModelRunner` over its shard and, per plan, runs prepare, launch and sample: the same steps in
+the same order as rank 0, so the model's collectives pair up. The broadcast rides the group's own
+transport (no second channel whose ordering against the collectives would need checking, and a
+dead rank 0 closes it at once); a zmq PUB socket could drop a slow joiner's first messages.
+
+Message bytes: b"P" + a msgpack StepPlan, b"A" (audit: report the table's live rows), b"S" stop.
+Workers exit on stop, or when rank 0's sockets close (its process ended); rank 0 maps a failed
+collective to `TensorParallelError` naming the ranks that exited.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import weakref
+from typing import Any
+
+import msgspec
+import torch
+
+from photon.config import EngineConfig
+from photon.core.step import StepPlan
+from photon.distributed.group import TPGroup, TPGroupSpec, bind_store
+
+_PLAN, _AUDIT, _STOP = b"P", b"A", b"S"
+_IDLE_WAIT_S = 365 * 24 * 3600.0  # a worker waits this long for the next plan (an idle engine)
+_HOST = "127.0.0.1"
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died or stopped answering: the engine cannot go on."""
+
+
+class TPWorkers:
+    """Rank 0's handle on the worker processes and the group they share with it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        parallel = config.parallel
+        size = parallel.tensor_parallel_size
+        store = bind_store(_HOST, size, parallel.collective_timeout_s)
+        spec = TPGroupSpec(_HOST, store.port, size, parallel.collective_timeout_s, config.device)
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=worker_main, args=(config, spec, rank), daemon=True,
+                                  name=f"photon-tp-rank{rank}") for rank in range(1, size)]
+        for p in self.procs:
+            p.start()
+        # Reaps the workers if the engine is dropped without shutdown() (or at exit).
+        self._finalizer = weakref.finalize(self, _reap, list(self.procs), 0.0)
+        try:
+            self.group: TPGroup | None = TPGroup.join(spec, 0, store)
+        except Exception as e:
+            self._finalizer()
+            raise TensorParallelError(f"tensor-parallel workers did not join: {e}") from e
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def send_plan(self, plan: StepPlan) -> None:
+        self._send(_PLAN + self._encoder.encode(plan))
+
+    def audit_live_rows(self) -> int:
+        """The most request-table rows any worker still holds (0 after a drain)."""
+        self._send(_AUDIT)
+        return self._guard(lambda g: g.max_int(0))
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Tell the workers to stop and reap them (those that do not exit are killed)."""
+        if self.group is not None:
+            try:
+                self.group.broadcast_bytes(_STOP)
+            except RuntimeError:
+                pass  # a worker died: reaped below
+        self.group = None
+        _reap(self.procs, timeout_s)
+        self._finalizer.detach()
+
+    def _send(self, data: bytes) -> None:
+        self._guard(lambda g: g.broadcast_bytes(data))
+
+    def _guard(self, op: Any) -> Any:
+        if self.group is None:
+            raise TensorParallelError("the tensor-parallel workers were shut down")
+        try:
+            return op(self.group)
+        except RuntimeError as e:
+            raise self.failure(e) from e
+
+    def failure(self, cause: BaseException) -> TensorParallelError:
+        """The error that ends the engine after a collective failed (names the dead ranks)."""
+        dead = [f"rank {i + 1} (exit code {p.exitcode})"
+                for i, p in enumerate(self.procs) if not p.is_alive()]
+        self.group = None  # broken: never used again
+        who = ", ".join(dead) if dead else "a rank stopped answering"
+        return TensorParallelError(f"tensor-parallel worker failed: {who}; the engine stops "
+                                   f"({type(cause).__name__}: {cause})")
+
+
+def _reap(procs: list[mp.Process], timeout_s: float) -> None:
+    for p in procs:
+        p.join(timeout_s)
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
+
+
+class PlanBroadcast:
+    """The pipeline's `StepRunner` on rank 0: each plan goes to the workers, then to the runner;
+    a failed collective ends the engine with `TensorParallelError`."""
+
+    def __init__(self, runner: Any, workers: TPWorkers) -> None:
+        self.runner = runner
+        self.workers = workers
+
+    def prepare(self, plan: StepPlan) -> Any:
+        self.workers.send_plan(plan)
+        return self.runner.prepare(plan)
+
+    def launch(self, prepared: Any) -> Any:
+        try:
+            return self.runner.launch(prepared)
+        except RuntimeError as e:  # the forward's collectives
+            raise self.workers.failure(e) from e
+
+    def sample(self, handle: Any) -> None:
+        self.runner.sample(handle)
+
+    def sync(self, handle: Any) -> None:
+        self.runner.sync(handle)
+
+    def wait(self, handle: Any) -> Any:
+        return self.runner.wait(handle)
+
+    def sampled_ids(self, handle: Any) -> Any:
+        return self.runner.sampled_ids(handle)
+
+    def prompt_scores(self, handle: Any) -> Any:
+        return self.runner.prompt_scores(handle)
+
+
+def worker_main(config: EngineConfig, spec: TPGroupSpec, rank: int) -> None:
+    """A worker process: join the group, build the rank's runner, follow rank 0's plans."""
+    if spec.device == "cuda":
+        torch.cuda.set_device(rank)
+    else:  # the ranks share the host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
+    group = TPGroup.join(spec, rank)
+    _WorkerLoop(config, group).run()
+    # Stopped cleanly: leave without running the interpreter's teardown, which can abort on the
+    # process group's transport threads.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class _WorkerLoop:
+    def __init__(self, config: EngineConfig, group: TPGroup) -> None:
+        from photon.worker.model_runner import ModelRunner
+
+        self.group = group
+        self.runner = ModelRunner(config, on_fault=self._on_fault, tp=group)
+        self.decoder = msgspec.msgpack.Decoder(StepPlan)
+        self.last: dict[int, Any] = {}  # slot index -> the last step sampled in it
+
+    def _on_fault(self, req_index: int, error: str) -> None:
+        """Rank 0 fails the request (its row runs inert here too, as on rank 0)."""
+
+    def run(self) -> None:
+        while True:
+            data = self.group.broadcast_bytes(None, wait_s=_IDLE_WAIT_S)
+            kind = data[:1]
+            if kind == _STOP:
+                return
+            if kind == _AUDIT:
+                self.group.max_int(self.runner.table.num_live)
+            else:
+                self._step(self.decoder.decode(data[1:]))
+
+    @torch.inference_mode()
+    def _step(self, plan: StepPlan) -> None:
+        if not plan.empty:  # its slot's last step is done before the slot is staged again
+            last = self.last.pop(plan.step % 2, None)
+            if last is not None:
+                self.runner.sync(last)
+        prepared = self.runner.prepare(plan)
+        if prepared is None:
+            return
+        handle = self.runner.launch(prepared)
+        self.runner.sample(handle)
+        self.last[plan.step % 2] = handle
