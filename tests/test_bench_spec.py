@@ -75,8 +75,11 @@ def test_predicted_speedup_fixed_and_adaptive() -> None:
 
 
 def test_matrix_and_speculative_configs() -> None:
-    matrix = settings(["ngram", "draft_model"], [1, 3], [False, True])
-    assert matrix[0] == SpecSetting(NO_SPEC) and len(matrix) == 1 + 2 * 2 * 2
+    matrix = settings(["ngram", "draft_model"], [1, 3], [3, 5])
+    assert matrix == [SpecSetting(NO_SPEC)] + [
+        SpecSetting(m, k, a) for m in ("ngram", "draft_model")
+        for k, a in ((1, False), (3, False), (3, True), (5, True))]
+    assert settings(["ngram"], [2], []) == [SpecSetting(NO_SPEC), SpecSetting("ngram", 2)]
     assert matrix[0].speculative_config("d") is None
     assert SpecSetting("draft_model", 3, True).speculative_config("d") == {
         "method": "draft_model", "num_speculative_tokens": 3, "adaptive": True, "model": "d"}
@@ -124,7 +127,8 @@ def test_cli_small_matrix(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     out_json = tmp_path / "spec.json"
     code = main(["bench", "spec", "--model", PHOTON_TINY, "--draft", PHOTON_TINY_DRAFT,
                  "--device", "cpu", "--batch-sizes", *map(str, BATCH_SIZES),
-                 "--num-speculative-tokens", *map(str, KS), "--input-len", "16",
+                 "--num-speculative-tokens", *map(str, KS), "--adaptive-num-speculative-tokens", "2",
+                 "--input-len", "16",
                  "--output-len", str(OUTPUT_LEN), "--warmup-tokens", "2",
                  "--output-json", str(out_json)])
     out, err = capsys.readouterr()
@@ -134,7 +138,8 @@ def test_cli_small_matrix(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert "method" in out and "per-position acceptance" in out  # the table
     cells = {(c["method"], c["k"], c["adaptive"], c["batch_size"]): c for c in summary["cells"]}
     want = {(NO_SPEC, 0, False, b) for b in BATCH_SIZES} | {
-        (m, k, a, b) for m in ("ngram", "draft_model") for k in KS for a in (False, True)
+        (m, k, a, b) for m in ("ngram", "draft_model") for k, a in ((1, False), (2, False),
+                                                                     (2, True))
         for b in BATCH_SIZES}
     assert set(cells) == want and len(summary["cells"]) == len(want)
     for (method, k, _, b), c in cells.items():

@@ -40,7 +40,6 @@ from photon.bench.spec_report import (
 
 DEFAULT_BATCH_SIZES = (1, 4, 16, 64, 256)
 DEFAULT_KS = (1, 2, 3, 4, 5)
-ADAPTIVE_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
 def add_parser(bench_sub: Any) -> None:
@@ -61,11 +60,12 @@ def add_parser(bench_sub: Any) -> None:
                    help="Methods to run (default: ngram, and draft_model when --draft is given).")
     g.add_argument("--batch-sizes", type=int, nargs="+", default=list(DEFAULT_BATCH_SIZES),
                    metavar="B", help="Concurrent requests per cell (default 1 4 16 64 256).")
-    g.add_argument("--num-speculative-tokens", type=int, nargs="+", default=list(DEFAULT_KS),
-                   metavar="K", help="K values (default 1 2 3 4 5).")
-    g.add_argument("--adaptive", choices=tuple(ADAPTIVE_CHOICES), default="both",
-                   help="The adaptive switch: off (every step verifies K), on, or both "
-                        "(default).")
+    g.add_argument("--num-speculative-tokens", type=int, nargs="*", default=list(DEFAULT_KS),
+                   metavar="K", help="K values with the adaptive switch off: every step verifies "
+                                     "K drafts (default 1 2 3 4 5; none: no such cells).")
+    g.add_argument("--adaptive-num-speculative-tokens", type=int, nargs="*", default=None,
+                   metavar="K", help="K values with the adaptive switch on (default: those of "
+                                     "--num-speculative-tokens; none: no such cells).")
     g.add_argument("--data", default=None, metavar="DIR",
                    help="A `python -m photon.train prepare` directory: prompts are windows of "
                         "its held-out code (default: random token ids).")
@@ -98,10 +98,16 @@ def _check_args(ns: argparse.Namespace) -> None:
     if ns.speculative_config is not None:
         raise ValueError("--speculative-config is set by the benchmark per cell; use --methods, "
                          "--num-speculative-tokens, --draft and --adaptive")
-    for flag, values, low in (("--batch-sizes", ns.batch_sizes, 1),
-                              ("--num-speculative-tokens", ns.num_speculative_tokens, 1)):
-        if min(values) < low:
-            raise ValueError(f"{flag} must be at least {low}, got {values}")
+    if ns.adaptive_num_speculative_tokens is None:
+        ns.adaptive_num_speculative_tokens = list(ns.num_speculative_tokens)
+    for flag, values in (("--batch-sizes", ns.batch_sizes),
+                         ("--num-speculative-tokens", ns.num_speculative_tokens),
+                         ("--adaptive-num-speculative-tokens",
+                          ns.adaptive_num_speculative_tokens)):
+        if values and min(values) < 1:
+            raise ValueError(f"{flag} must be at least 1, got {values}")
+    if not ns.batch_sizes:
+        raise ValueError("--batch-sizes needs at least one batch size")
     if max(ns.batch_sizes) > ns.max_num_seqs:
         raise ValueError(f"--batch-sizes {max(ns.batch_sizes)} exceeds --max-num-seqs "
                          f"{ns.max_num_seqs}: raise --max-num-seqs")
@@ -116,7 +122,7 @@ def run_spec(ns: argparse.Namespace) -> int:
 
     _check_args(ns)
     matrix = settings(_methods(ns), sorted(set(ns.num_speculative_tokens)),
-                      ADAPTIVE_CHOICES[ns.adaptive])
+                      sorted(set(ns.adaptive_num_speculative_tokens)))
     batch_sizes = sorted(set(ns.batch_sizes))
     with tempfile.TemporaryDirectory(prefix="photon-bench-") as workdir:
         args = _engine_args(bench_engine_args(ns, workdir), ns)
@@ -128,7 +134,8 @@ def run_spec(ns: argparse.Namespace) -> int:
                "input_len": ns.input_len, "output_len": ns.output_len,
                "warmup_tokens": ns.warmup_tokens, "batch_sizes": batch_sizes,
                "num_speculative_tokens": sorted(set(ns.num_speculative_tokens)),
-               "methods": _methods(ns), "adaptive": ns.adaptive, **gpu_info(args.device),
+               "adaptive_num_speculative_tokens": sorted(set(ns.adaptive_num_speculative_tokens)),
+               "methods": _methods(ns), **gpu_info(args.device),
                "cells": [dataclasses.asdict(c) for c in cells]}
     print(table(cells), flush=True)
     line = json.dumps(summary)
@@ -180,8 +187,9 @@ def _build(args: Any, setting: SpecSetting, draft: str | None) -> tuple[Any, Ste
 
 def _run_setting(args: Any, setting: SpecSetting, ns: argparse.Namespace,
                  prompts: list[list[int]], batch_sizes: list[int]) -> list[Cell]:
-    _log(f"building the engine: {setting.label}")
+    start = time.perf_counter()
     llm, recorder = _build(args, setting, ns.draft)
+    _log(f"engine {setting.label}: built in {time.perf_counter() - start:.1f} s")
     try:
         return [_run_cell(llm, recorder, setting, prompts[:b], ns) for b in batch_sizes]
     finally:
@@ -195,6 +203,8 @@ def _free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        # The next engine sizes its KV cache from the free memory: a leak would shrink it.
+        _log(f"engine freed: {torch.cuda.memory_allocated() / 2**20:.0f} MiB still allocated")
 
 
 def _sync(llm: Any) -> None:

@@ -49,11 +49,14 @@ class SpecSetting:
         return config
 
 
-def settings(methods: Sequence[str], ks: Sequence[int],
-             adaptive: Sequence[bool]) -> list[SpecSetting]:
-    """The matrix: no speculation first, then every method x K x adaptive."""
+def settings(methods: Sequence[str], fixed_ks: Sequence[int],
+             adaptive_ks: Sequence[int]) -> list[SpecSetting]:
+    """The matrix: no speculation first, then per method each K with the adaptive switch off
+    (`fixed_ks`) and on (`adaptive_ks`)."""
+    ks = sorted(set(fixed_ks) | set(adaptive_ks))
     return [SpecSetting(NO_SPEC)] + [SpecSetting(m, k, a) for m in methods for k in ks
-                                     for a in adaptive]
+                                     for a in (False, True)
+                                     if k in (adaptive_ks if a else fixed_ks)]
 
 
 @dataclass(frozen=True)
@@ -146,8 +149,8 @@ def predicted_speedup(cells: dict[tuple[SpecSetting, int], Cell], cell: Cell) ->
     if t0 is None or rates is None:
         return None
     ks = range(cell.k + 1) if cell.adaptive else (cell.k,)
-    rates_of = [(expected_tokens(rates, k), _step_time(cells, cell, k)) for k in ks]
-    known = [e * t0 / t for e, t in rates_of if t]
+    pairs = [(expected_tokens(rates, k), _step_time(cells, cell, k)) for k in ks]
+    known = [e * t0 / t for e, t in pairs if t]
     return max(known) if known else None
 
 
