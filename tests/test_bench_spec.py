@@ -135,6 +135,7 @@ def test_cli_small_matrix(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert code == 0, err
     summary = json.loads(out.strip().splitlines()[-1])
     assert json.loads(out_json.read_text()) == summary
+    assert summary["complete"] is True and summary["errors"] == []
     assert "method" in out and "per-position acceptance" in out  # the table
     cells = {(c["method"], c["k"], c["adaptive"], c["batch_size"]): c for c in summary["cells"]}
     want = {(NO_SPEC, 0, False, b) for b in BATCH_SIZES} | {
@@ -160,3 +161,18 @@ def test_cli_refuses_a_speculative_config(capsys: pytest.CaptureFixture[str]) ->
     assert "--speculative-config is set by the benchmark" in capsys.readouterr().err
     assert main(["bench", "spec", "--device", "cpu", "--methods", "draft_model"]) != 0
     assert "--methods draft_model needs --draft" in capsys.readouterr().err
+
+
+def test_a_failing_setting_is_reported_and_the_others_run(capsys: pytest.CaptureFixture[str],
+                                                          tmp_path: Path) -> None:
+    out_json = tmp_path / "spec.json"
+    code = main(["bench", "spec", "--model", PHOTON_TINY, "--draft", str(tmp_path / "missing"),
+                 "--device", "cpu", "--batch-sizes", "2", "--num-speculative-tokens", "1",
+                 "--adaptive-num-speculative-tokens", "--input-len", "8", "--output-len", "3",
+                 "--warmup-tokens", "0", "--output-json", str(out_json)])
+    out, err = capsys.readouterr()
+    assert code == 1 and "draft_model K=1 failed" in err
+    summary = json.loads(out_json.read_text())
+    assert summary == json.loads(out.strip().splitlines()[-1]) and summary["complete"] is True
+    assert [e["setting"] for e in summary["errors"]] == ["draft_model K=1"]
+    assert [(c["method"], c["k"]) for c in summary["cells"]] == [(NO_SPEC, 0), ("ngram", 1)]

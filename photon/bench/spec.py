@@ -118,32 +118,50 @@ def _check_args(ns: argparse.Namespace) -> None:
 
 
 def run_spec(ns: argparse.Namespace) -> int:
-    from photon.bench.cli import bench_engine_args, gpu_info
+    from photon.bench.cli import bench_engine_args
 
     _check_args(ns)
     matrix = settings(_methods(ns), sorted(set(ns.num_speculative_tokens)),
                       sorted(set(ns.adaptive_num_speculative_tokens)))
     batch_sizes = sorted(set(ns.batch_sizes))
+    cells: list[Cell] = []
+    errors: list[dict[str, str]] = []
     with tempfile.TemporaryDirectory(prefix="photon-bench-") as workdir:
         args = _engine_args(bench_engine_args(ns, workdir), ns)
         prompts, source = _prompts(ns, args, max(batch_sizes))
-        cells = [cell for s in matrix for cell in _run_setting(args, s, ns, prompts, batch_sizes)]
+        for setting in matrix:
+            try:
+                cells += _run_setting(args, setting, ns, prompts, batch_sizes)
+            except Exception as e:  # noqa: BLE001 - the other settings still run and report
+                errors.append({"setting": setting.label, "error": f"{type(e).__name__}: {e}"})
+                _log(f"{setting.label} failed: {errors[-1]['error']}")
+            # Written after every setting, so a run stopped part-way keeps what it measured.
+            _summary_line(ns, args, source, cells, errors, complete=False)
+    line = _summary_line(ns, args, source, cells, errors, complete=True)
+    print(table(cells), flush=True)
+    print(line, flush=True)
+    return 1 if errors else 0
+
+
+def _summary_line(ns: argparse.Namespace, args: Any, source: str, cells: list[Cell],
+                  errors: list[dict[str, str]], complete: bool) -> str:
+    """The JSON summary (also written to --output-json)."""
+    from photon.bench.cli import gpu_info
+
     fill_speedups(cells)
-    summary = {"benchmark": "spec", "date": time.strftime("%Y-%m-%d"),
+    summary = {"benchmark": "spec", "date": time.strftime("%Y-%m-%d"), "complete": complete,
                "model": args.model, "draft": ns.draft, "prompts": source,
                "input_len": ns.input_len, "output_len": ns.output_len,
-               "warmup_tokens": ns.warmup_tokens, "batch_sizes": batch_sizes,
+               "warmup_tokens": ns.warmup_tokens, "batch_sizes": sorted(set(ns.batch_sizes)),
                "num_speculative_tokens": sorted(set(ns.num_speculative_tokens)),
                "adaptive_num_speculative_tokens": sorted(set(ns.adaptive_num_speculative_tokens)),
-               "methods": _methods(ns), **gpu_info(args.device),
+               "methods": _methods(ns), **gpu_info(args.device), "errors": errors,
                "cells": [dataclasses.asdict(c) for c in cells]}
-    print(table(cells), flush=True)
     line = json.dumps(summary)
     if ns.output_json:
         with open(ns.output_json, "w", encoding="utf-8") as f:
             f.write(line + "\n")
-    print(line, flush=True)
-    return 0
+    return line
 
 
 def _engine_args(args: Any, ns: argparse.Namespace) -> Any:
