@@ -52,7 +52,8 @@ def add_parser(bench_sub: Any) -> None:
                     "no speculation and with each method (ngram; draft_model with --draft) and "
                     "K, adaptive switch off and on; report output tokens/s, acceptance, the "
                     "speedup over no speculation at the same B and the cost model's predicted "
-                    "speedup. Stdout: a table, then one JSON line.")
+                    "speedup. One engine per setting, reused for every batch size, prefix "
+                    "caching off. Stdout: a table, then one JSON line.")
     g = p.add_argument_group("matrix and workload")
     g.add_argument("--draft", default=None, metavar="DIR",
                    help="Draft model for method draft_model (default: ngram only).")
