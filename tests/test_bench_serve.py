@@ -460,3 +460,72 @@ def test_sse_parsing() -> None:
     assert chunk_text(data, chat=False) == "a"
     assert chunk_text({"choices": [{"delta": {"role": "assistant"}}]}, chat=True) is None
     assert chunk_text({"choices": [], "usage": {}}, chat=False) is None
+
+
+# ---------------------------------------------------------------- speculative decoding
+
+SPEC_METRICS = """\
+# HELP photon:spec_decode_num_drafts_total Speculative rows that verified drafts.
+# TYPE photon:spec_decode_num_drafts_total counter
+photon:spec_decode_num_drafts_total{model_name="m"} 10.0
+photon:spec_decode_num_drafts_created{model_name="m"} 1.7e9
+photon:spec_decode_num_draft_tokens_total{model_name="m"} 25.0
+photon:spec_decode_num_accepted_tokens_total{model_name="m"} 12.0
+photon:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 7.0
+photon:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0
+photon:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 4.0
+photon:generation_tokens_total{model_name="m"} 99.0
+"""
+
+
+def test_spec_counters_are_parsed_and_subtracted() -> None:
+    from photon.bench.serve_spec import parse_spec_counters, spec_delta_fields
+    from photon.spec.stats import SpecDecodingStats
+
+    after = parse_spec_counters(SPEC_METRICS)
+    assert after == SpecDecodingStats(10, 25, 12, [7, 4, 1])
+    vllm = parse_spec_counters(SPEC_METRICS.replace("photon:", "vllm:"))
+    assert vllm == after  # vLLM's names
+    assert parse_spec_counters("photon:generation_tokens_total 3.0\n") is None
+    before = SpecDecodingStats(4, 8, 2, [2])  # fewer positions seen so far
+    fields = spec_delta_fields(before, after)
+    assert fields["spec_decode_num_drafts"] == 6 and fields["spec_decode_num_accepted_tokens"] == 10
+    assert fields["spec_mean_acceptance_length"] == pytest.approx(1 + 10 / 6)
+    assert fields["spec_acceptance_rate_per_pos"] == pytest.approx([5 / 6, 4 / 6, 1 / 6])
+    assert spec_delta_fields(None, after)["spec_mean_acceptance_length"] is None
+
+
+def test_no_spec_fields_without_server_counters(stub: tuple[str, StubState],
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    url, _ = stub
+    s = _bench(capsys, "--base-url", url, "--num-prompts", "2", "--random-output-len", "3")
+    assert s["spec_mean_acceptance_length"] is None and s["spec_decode_num_drafts"] is None
+
+
+def test_acceptance_from_a_live_speculative_server(capsys: pytest.CaptureFixture[str]) -> None:
+    """Two identical greedy runs against one server: each reports only its own counts (the same
+    both times), and together they are the server's totals."""
+    import httpx
+
+    from photon.bench.serve_spec import parse_spec_counters
+    from tests.server_util import live_server
+
+    spec = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2, "adaptive": False}
+    argv = ["--num-prompts", "4", "--random-input-len", "24", "--random-output-len", "12",
+            "--warmup-requests", "0"]
+    with live_server({"model": "photon-tiny-random", "speculative_config": spec}) as srv:
+        runs = [_bench(capsys, "--base-url", srv.base_url, *argv) for _ in range(2)]
+        total = parse_spec_counters(httpx.get(srv.base_url + "/metrics", timeout=30).text)
+    keys = [k for k in runs[0] if k.startswith("spec_")]
+    assert len(keys) == 5 and all(runs[0][k] == runs[1][k] for k in keys)
+    first = runs[0]
+    assert first["spec_decode_num_drafts"] > 0
+    assert first["spec_decode_num_draft_tokens"] == first["spec_decode_num_drafts"]  # K = 1
+    assert total is not None and total.num_drafts == 2 * first["spec_decode_num_drafts"]
+    assert total.num_accepted_tokens == 2 * first["spec_decode_num_accepted_tokens"]
+    accepted = first["spec_decode_num_accepted_tokens"]
+    assert first["spec_mean_acceptance_length"] == pytest.approx(
+        1 + accepted / first["spec_decode_num_drafts"])
+    assert first["spec_acceptance_rate_per_pos"] == pytest.approx(
+        [accepted / first["spec_decode_num_drafts"]])

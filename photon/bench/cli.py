@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, str] = {
     "profile": "photon.bench.profile",
     "structured": "photon.bench.structured",
     "serve": "photon.bench.serve",
+    "spec": "photon.bench.spec",
     "throughput": "photon.bench.throughput",
 }
 

@@ -9,6 +9,8 @@ are capped by --max-concurrency; each streams with EOS ignored so output lengths
 Reports TTFT, TPOT, ITL and E2E latency (mean/std/median/p90/p99, ms), request/token throughput
 and goodput under --goodput SLOs. --sweep R1 R2 ... (or --sweep-concurrency C1 C2 ...) runs a
 ladder and plots the latency-throughput frontier; --plot-from draws several runs on one plot.
+With a speculative server, the run's mean acceptance length and per-position acceptance come from
+its /metrics counters read before and after the run (photon.bench.serve_spec).
 A human summary goes to stderr; the last stdout line is one JSON object.
 """
 
@@ -275,12 +277,15 @@ def _loads(ns: argparse.Namespace) -> list[tuple[float, int | None]]:
 def _run_point(ns: argparse.Namespace, cfg: Any, specs: list[Any], rate: float,
                conc: int | None, slos: dict[str, float]) -> dict[str, Any]:
     from photon.bench.serve_client import run_requests
+    from photon.bench.serve_spec import fetch_spec_counters, spec_delta_fields
 
     _log(f"run: request rate {rate}, burstiness {ns.burstiness}, max concurrency {conc}")
     offsets = arrival_offsets(len(specs), rate, ns.burstiness, ns.seed)
+    spec_before = asyncio.run(fetch_spec_counters(cfg))
     records, duration = asyncio.run(run_requests(cfg, specs, offsets, conc))
+    spec = spec_delta_fields(spec_before, asyncio.run(fetch_spec_counters(cfg)))
     metrics = aggregate(records, duration, slos)
-    summary = {"benchmark": "serve", **metrics,
+    summary = {"benchmark": "serve", **metrics, **spec,
                **cost_fields(ns.gpu_cost_per_hour, ns.num_gpus, metrics["output_throughput"]),
                **_params(ns, cfg, rate, conc, slos, len(specs))}
     if ns.save_requests:
@@ -330,6 +335,10 @@ def _print_human(s: dict[str, Any]) -> None:
         rows.append(("Request goodput (req/s)", s["request_goodput"]))
     if s["dollars_per_million_output_tokens"] is not None:
         rows.append(("Cost ($ per 1M output tokens)", s["dollars_per_million_output_tokens"]))
+    if s["spec_mean_acceptance_length"] is not None:
+        rows.append(("Mean acceptance length", s["spec_mean_acceptance_length"]))
+        rows.append(("Acceptance per draft position", " ".join(
+            f"{r:.3f}" for r in s["spec_acceptance_rate_per_pos"])))
     for name in ("ttft", "tpot", "itl", "e2el"):
         rows += [(f"{stat.capitalize()} {name.upper()} (ms)", s[f"{stat}_{name}_ms"])
                  for stat in ("mean", "median", "p90", "p99")]

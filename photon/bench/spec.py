@@ -1,0 +1,270 @@
+"""`photon bench spec`: speculative decoding against no speculation, by batch size, K and method.
+
+For each engine setting (no speculation; each method x K x adaptive off/on) one engine is built
+and reused for every batch size B, smallest first: B concurrent greedy requests (EOS ignored,
+`--output-len` tokens each) in one `LLM.generate` call, after a warm-up generate of the same B
+requests with `--warmup-tokens` tokens. Reusing the engine across B does not change what is
+measured: prefix caching is off (the same prompts return at every B and in the warm-up, and a
+cache hit would skip their prefill), and greedy tokens do not depend on the engine's history. The
+one state that carries over is the adaptive switch's (its measured step times per batch-size
+bucket and running acceptance counts), as in a server that has been running; its warm-up at
+each B lets it measure that B.
+
+Each cell reports output tokens/s (output tokens / wall time of the generate call, prefill
+included), the speculative counters of the timed call (mean acceptance length, per-position
+acceptance), the median decode step time by K_eff, the speedup over no speculation at the same
+B, and the speedup the cost model predicts (photon.bench.spec_report). Stdout: a table, then one
+JSON line (also written to `--output-json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import sys
+import tempfile
+import time
+from typing import Any
+
+from photon.bench.spec_report import (
+    Cell,
+    SpecSetting,
+    StepRecorder,
+    fill_speedups,
+    settings,
+    summarize_steps,
+    table,
+)
+
+DEFAULT_BATCH_SIZES = (1, 4, 16, 64, 256)
+DEFAULT_KS = (1, 2, 3, 4, 5)
+
+
+def add_parser(bench_sub: Any) -> None:
+    from photon.bench.cli import add_model_source_args
+    from photon.cli import add_engine_args
+
+    p = bench_sub.add_parser(
+        "spec", help="Speculative decoding vs none, by batch size, K and method.",
+        description="Run B concurrent greedy requests (EOS ignored) for each batch size, with "
+                    "no speculation and with each method (ngram; draft_model with --draft) and "
+                    "K, adaptive switch off and on; report output tokens/s, acceptance, the "
+                    "speedup over no speculation at the same B and the cost model's predicted "
+                    "speedup. One engine per setting, reused for every batch size, prefix "
+                    "caching off. Stdout: a table, then one JSON line.")
+    g = p.add_argument_group("matrix and workload")
+    g.add_argument("--draft", default=None, metavar="DIR",
+                   help="Draft model for method draft_model (default: ngram only).")
+    g.add_argument("--methods", nargs="+", default=None, choices=("ngram", "draft_model"),
+                   help="Methods to run (default: ngram, and draft_model when --draft is given).")
+    g.add_argument("--batch-sizes", type=int, nargs="+", default=list(DEFAULT_BATCH_SIZES),
+                   metavar="B", help="Concurrent requests per cell (default 1 4 16 64 256).")
+    g.add_argument("--num-speculative-tokens", type=int, nargs="*", default=list(DEFAULT_KS),
+                   metavar="K", help="K values with the adaptive switch off: every step verifies "
+                                     "K drafts (default 1 2 3 4 5; none: no such cells).")
+    g.add_argument("--adaptive-num-speculative-tokens", type=int, nargs="*", default=None,
+                   metavar="K", help="K values with the adaptive switch on (default: those of "
+                                     "--num-speculative-tokens; none: no such cells).")
+    g.add_argument("--data", default=None, metavar="DIR",
+                   help="A `python -m photon.train prepare` directory: prompts are windows of "
+                        "its held-out code (default: random token ids).")
+    g.add_argument("--input-len", type=int, default=128, help="Prompt tokens (default 128).")
+    g.add_argument("--output-len", type=int, default=128,
+                   help="Output tokens per request (default 128).")
+    g.add_argument("--warmup-tokens", type=int, default=16,
+                   help="Output tokens of each warm-up request (0: no warm-up; default 16).")
+    g.add_argument("--prompt-seed", type=int, default=0,
+                   help="Seed of the random prompts (default 0).")
+    g.add_argument("--output-json", default=None, metavar="PATH",
+                   help="Also write the JSON summary to PATH.")
+    add_model_source_args(p, default_shape=None)
+    add_engine_args(p)
+    p.set_defaults(func=run_spec)
+
+
+def _log(msg: str) -> None:
+    print(f"[bench spec] {msg}", file=sys.stderr, flush=True)
+
+
+def _methods(ns: argparse.Namespace) -> list[str]:
+    methods = ns.methods or (["ngram"] + (["draft_model"] if ns.draft else []))
+    if "draft_model" in methods and not ns.draft:
+        raise ValueError("--methods draft_model needs --draft DIR (the draft model)")
+    return list(dict.fromkeys(methods))
+
+
+def _check_args(ns: argparse.Namespace) -> None:
+    if ns.speculative_config is not None:
+        raise ValueError("--speculative-config is set by the benchmark per cell; use --methods, "
+                         "--num-speculative-tokens, --draft and --adaptive")
+    if ns.adaptive_num_speculative_tokens is None:
+        ns.adaptive_num_speculative_tokens = list(ns.num_speculative_tokens)
+    for flag, values in (("--batch-sizes", ns.batch_sizes),
+                         ("--num-speculative-tokens", ns.num_speculative_tokens),
+                         ("--adaptive-num-speculative-tokens",
+                          ns.adaptive_num_speculative_tokens)):
+        if values and min(values) < 1:
+            raise ValueError(f"{flag} must be at least 1, got {values}")
+    if not ns.batch_sizes:
+        raise ValueError("--batch-sizes needs at least one batch size")
+    if max(ns.batch_sizes) > ns.max_num_seqs:
+        raise ValueError(f"--batch-sizes {max(ns.batch_sizes)} exceeds --max-num-seqs "
+                         f"{ns.max_num_seqs}: raise --max-num-seqs")
+    for flag, value, low in (("--input-len", ns.input_len, 1), ("--output-len", ns.output_len, 1),
+                             ("--warmup-tokens", ns.warmup_tokens, 0)):
+        if value < low:
+            raise ValueError(f"{flag} must be at least {low}, got {value}")
+
+
+def run_spec(ns: argparse.Namespace) -> int:
+    from photon.bench.cli import bench_engine_args
+
+    _check_args(ns)
+    matrix = settings(_methods(ns), sorted(set(ns.num_speculative_tokens)),
+                      sorted(set(ns.adaptive_num_speculative_tokens)))
+    batch_sizes = sorted(set(ns.batch_sizes))
+    cells: list[Cell] = []
+    errors: list[dict[str, str]] = []
+    with tempfile.TemporaryDirectory(prefix="photon-bench-") as workdir:
+        args = _engine_args(bench_engine_args(ns, workdir), ns)
+        prompts, source = _prompts(ns, args, max(batch_sizes))
+        for setting in matrix:
+            try:
+                cells += _run_setting(args, setting, ns, prompts, batch_sizes)
+            except Exception as e:  # noqa: BLE001 - the other settings still run and report
+                errors.append({"setting": setting.label, "error": f"{type(e).__name__}: {e}"})
+                _log(f"{setting.label} failed: {errors[-1]['error']}")
+            # Written after every setting, so a run stopped part-way keeps what it measured.
+            _summary_line(ns, args, source, cells, errors, complete=False)
+    line = _summary_line(ns, args, source, cells, errors, complete=True)
+    print(table(cells), flush=True)
+    print(line, flush=True)
+    return 1 if errors else 0
+
+
+def _summary_line(ns: argparse.Namespace, args: Any, source: str, cells: list[Cell],
+                  errors: list[dict[str, str]], complete: bool) -> str:
+    """The JSON summary (also written to --output-json)."""
+    from photon.bench.cli import gpu_info
+
+    fill_speedups(cells)
+    summary = {"benchmark": "spec", "date": time.strftime("%Y-%m-%d"), "complete": complete,
+               "model": args.model, "draft": ns.draft, "prompts": source,
+               "input_len": ns.input_len, "output_len": ns.output_len,
+               "warmup_tokens": ns.warmup_tokens, "batch_sizes": sorted(set(ns.batch_sizes)),
+               "num_speculative_tokens": sorted(set(ns.num_speculative_tokens)),
+               "adaptive_num_speculative_tokens": sorted(set(ns.adaptive_num_speculative_tokens)),
+               "methods": _methods(ns), **gpu_info(args.device), "errors": errors,
+               "cells": [dataclasses.asdict(c) for c in cells]}
+    line = json.dumps(summary)
+    if ns.output_json:
+        with open(ns.output_json, "w", encoding="utf-8") as f:
+            f.write(line + "\n")
+    return line
+
+
+def _engine_args(args: Any, ns: argparse.Namespace) -> Any:
+    """Prefix caching off (see the module doc); max_model_len fits the requests by default."""
+    args.enable_prefix_caching = False
+    if args.max_model_len is None:
+        args.max_model_len = ns.input_len + ns.output_len + ns.warmup_tokens
+    return args
+
+
+def _prompts(ns: argparse.Namespace, args: Any, count: int) -> tuple[list[list[int]], str]:
+    from photon.bench.spec_prompts import (
+        heldout_code_prompts,
+        random_prompts,
+        trained_tokenizer_sha,
+    )
+    from photon.model.hf_config import load_hf_config
+    from photon.model.tiny import resolve_model_path
+
+    model_dir = resolve_model_path(args.model)
+    if ns.data:
+        return heldout_code_prompts(ns.data, count, ns.input_len, model_dir), "heldout"
+    if trained_tokenizer_sha(model_dir) is not None:
+        _log("the model is photon-trained: --data DIR (its prepared data) gives held-out code "
+             "prompts; using random token ids")
+    vocab = int(load_hf_config(model_dir)["vocab_size"])
+    return random_prompts(count, ns.input_len, vocab, ns.prompt_seed), "random"
+
+
+def _build(args: Any, setting: SpecSetting, draft: str | None) -> tuple[Any, StepRecorder]:
+    from photon.llm import LLM
+
+    kwargs = dataclasses.asdict(args)
+    kwargs["speculative_config"] = setting.speculative_config(draft)
+    llm = LLM(**kwargs)
+    scheduler = llm.engine.scheduler
+    recorder = StepRecorder(setting.k, scheduler.spec_policy)
+    scheduler.spec_policy = recorder
+    return llm, recorder
+
+
+def _run_setting(args: Any, setting: SpecSetting, ns: argparse.Namespace,
+                 prompts: list[list[int]], batch_sizes: list[int]) -> list[Cell]:
+    start = time.perf_counter()
+    llm, recorder = _build(args, setting, ns.draft)
+    _log(f"engine {setting.label}: built in {time.perf_counter() - start:.1f} s")
+    try:
+        return [_run_cell(llm, recorder, setting, prompts[:b], ns) for b in batch_sizes]
+    finally:
+        del llm
+        _free_memory()
+
+
+def _free_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        # The next engine sizes its KV cache from the free memory: a leak would shrink it.
+        _log(f"engine freed: {torch.cuda.memory_allocated() / 2**20:.0f} MiB still allocated")
+
+
+def _sync(llm: Any) -> None:
+    import torch
+
+    if llm.config.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> int:
+    from photon.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+    outputs = llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
+    return sum(len(c.token_ids) for out in outputs for c in out.outputs)
+
+
+def _run_cell(llm: Any, recorder: StepRecorder, setting: SpecSetting,
+              prompts: list[list[int]], ns: argparse.Namespace) -> Cell:
+    b = len(prompts)
+    if ns.warmup_tokens:
+        _generate(llm, prompts, ns.warmup_tokens)
+    recorder.commits.clear()
+    before = llm.engine.spec_stats()
+    _sync(llm)
+    start = time.perf_counter()
+    got = _generate(llm, prompts, ns.output_len)
+    _sync(llm)
+    elapsed = time.perf_counter() - start
+    if got != b * ns.output_len:
+        raise RuntimeError(f"generated {got} output tokens, the cell asked for {b * ns.output_len}")
+    step_time, steps = summarize_steps(recorder, b)
+    cell = Cell(setting.method, setting.k, setting.adaptive, b, got, elapsed, got / elapsed,
+                step_time, steps)
+    after = llm.engine.spec_stats()
+    if after is not None:
+        stats = after.since(before)
+        cell.mean_acceptance_length = stats.mean_acceptance_length
+        cell.acceptance_rate_per_pos = stats.acceptance_rate_per_pos
+        cell.num_drafts, cell.num_draft_tokens = stats.num_drafts, stats.num_draft_tokens
+        cell.num_accepted_tokens = stats.num_accepted_tokens
+    _log(f"{setting.label} B={b}: {got / elapsed:.1f} tok/s"
+         + (f", mean acceptance length {cell.mean_acceptance_length:.3f}" if after else ""))
+    return cell

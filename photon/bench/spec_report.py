@@ -1,0 +1,186 @@
+"""Pure parts of `photon bench spec`: settings, step times, cells, speedups, the table.
+
+A cell is one (method, K, adaptive, B) run. Its speedup is its output tokens/s over the no
+speculation cell's at the same B (same run). Its predicted speedup is the cost model's
+(photon/spec/adaptive.py) from the cell's measured acceptance and the run's measured step times:
+
+    fixed K:   E(K) / T(B, K)  over  1 / T(B, 0)
+    adaptive:  max over k in 0..K of E(k) / T(B, k)  over  1 / T(B, 0)
+
+E(k) = 1 + a_0 + ... + a_{k-1} with a_j the cell's acceptance rate at draft position j (the
+engine's definition: accepted at j / draft runs), T(B, k) the median time between consecutive
+committed decode steps of B rows: T(B, 0) from the no-speculation cell, T(B, k) from the fixed
+K = k cell of the same method (the adaptive cell's own steps at K_eff = k when that cell is
+missing). The adaptive prediction is what its switch would get if it always picked the best k.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+NO_SPEC = "none"
+
+
+@dataclass(frozen=True)
+class SpecSetting:
+    """One engine of the matrix: a method (NO_SPEC: no speculation), K and the adaptive switch."""
+
+    method: str
+    k: int = 0
+    adaptive: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.method == NO_SPEC:
+            return NO_SPEC
+        return f"{self.method} K={self.k}{' adaptive' if self.adaptive else ''}"
+
+    def speculative_config(self, draft: str | None) -> dict[str, Any] | None:
+        if self.method == NO_SPEC:
+            return None
+        config: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.k,
+                                  "adaptive": self.adaptive}
+        if self.method == "draft_model":
+            config["model"] = draft
+        return config
+
+
+def settings(methods: Sequence[str], fixed_ks: Sequence[int],
+             adaptive_ks: Sequence[int]) -> list[SpecSetting]:
+    """The matrix: no speculation first, then per method each K with the adaptive switch off
+    (`fixed_ks`) and on (`adaptive_ks`)."""
+    ks = sorted(set(fixed_ks) | set(adaptive_ks))
+    return [SpecSetting(NO_SPEC)] + [SpecSetting(m, k, a) for m in methods for k in ks
+                                     for a in (False, True)
+                                     if k in (adaptive_ks if a else fixed_ks)]
+
+
+@dataclass(frozen=True)
+class Commit:
+    step: int
+    batch_size: int
+    k: int  # K_eff the step's speculative rows verified (0 without speculation)
+    decode_only: bool
+    time: float
+
+
+@dataclass
+class StepRecorder:
+    """A scheduler spec policy that records each committed step's time and shape, delegating the
+    choice of K_eff to the engine's own policy (adaptive), else verifying K (fixed)."""
+
+    k: int
+    inner: Any = None  # the engine's SpecPolicy, or None
+    clock: Callable[[], float] = time.perf_counter
+    commits: list[Commit] = field(default_factory=list)
+
+    def choose(self, batch_size: int) -> int:
+        return self.k if self.inner is None else self.inner.choose(batch_size)
+
+    def committed(self, step: int, batch_size: int, k: int, decode_only: bool) -> None:
+        self.commits.append(Commit(step, batch_size, k, decode_only, self.clock()))
+        if self.inner is not None:
+            self.inner.committed(step, batch_size, k, decode_only)
+
+    def step_times(self, batch_size: int) -> dict[int, list[float]]:
+        """Seconds between consecutive committed decode steps of `batch_size` rows, by K_eff."""
+        out: dict[int, list[float]] = {}
+        for prev, cur in zip(self.commits, self.commits[1:]):
+            if cur.decode_only and cur.batch_size == batch_size and prev.step == cur.step - 1:
+                out.setdefault(cur.k, []).append(cur.time - prev.time)
+        return out
+
+
+@dataclass
+class Cell:
+    method: str
+    k: int
+    adaptive: bool
+    batch_size: int
+    output_tokens: int
+    elapsed_s: float
+    output_tokens_per_s: float
+    step_time_s: dict[int, float]  # K_eff -> median decode step time at B rows
+    steps: dict[int, int]  # K_eff -> decode steps measured at B rows
+    mean_acceptance_length: float | None = None  # None without speculation
+    acceptance_rate_per_pos: list[float] | None = None
+    num_drafts: int | None = None
+    num_draft_tokens: int | None = None
+    num_accepted_tokens: int | None = None
+    speedup: float | None = None  # over no speculation at the same B
+    predicted_speedup: float | None = None
+    prediction_error: float | None = None  # speedup / predicted_speedup - 1
+
+    @property
+    def setting(self) -> SpecSetting:
+        return SpecSetting(self.method, self.k, self.adaptive)
+
+
+def summarize_steps(recorder: StepRecorder, batch_size: int) -> tuple[dict[int, float],
+                                                                      dict[int, int]]:
+    times = recorder.step_times(batch_size)
+    return ({k: statistics.median(v) for k, v in sorted(times.items())},
+            {k: len(v) for k, v in sorted(times.items())})
+
+
+def expected_tokens(rates: Sequence[float], k: int) -> float:
+    """E(k): tokens a row emits verifying k drafts, from per-position acceptance rates."""
+    return 1.0 + sum(rates[:k])
+
+
+def _step_time(cells: dict[tuple[SpecSetting, int], Cell], cell: Cell, k: int) -> float | None:
+    if k == 0:
+        base = cells.get((SpecSetting(NO_SPEC), cell.batch_size))
+        return None if base is None else base.step_time_s.get(0)
+    fixed = cells.get((SpecSetting(cell.method, k, False), cell.batch_size))
+    if fixed is not None and k in fixed.step_time_s:
+        return fixed.step_time_s[k]
+    return cell.step_time_s.get(k)
+
+
+def predicted_speedup(cells: dict[tuple[SpecSetting, int], Cell], cell: Cell) -> float | None:
+    """The cost model's speedup for `cell` (module doc); None when a step time is missing."""
+    t0 = _step_time(cells, cell, 0)
+    rates = cell.acceptance_rate_per_pos
+    if t0 is None or rates is None:
+        return None
+    ks = range(cell.k + 1) if cell.adaptive else (cell.k,)
+    pairs = [(expected_tokens(rates, k), _step_time(cells, cell, k)) for k in ks]
+    known = [e * t0 / t for e, t in pairs if t]
+    return max(known) if known else None
+
+
+def fill_speedups(cells: list[Cell]) -> None:
+    """Set each cell's measured and predicted speedup over no speculation at its B."""
+    by_key = {(c.setting, c.batch_size): c for c in cells}
+    for c in cells:
+        base = by_key.get((SpecSetting(NO_SPEC), c.batch_size))
+        if base is not None and base.output_tokens_per_s > 0:
+            c.speedup = c.output_tokens_per_s / base.output_tokens_per_s
+        if c.method != NO_SPEC:
+            c.predicted_speedup = predicted_speedup(by_key, c)
+        if c.speedup is not None and c.predicted_speedup:
+            c.prediction_error = c.speedup / c.predicted_speedup - 1.0
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(cells: Sequence[Cell]) -> str:
+    """The human-readable table (one line per cell)."""
+    head = (f"{'method':<12}{'K':>3} {'adaptive':<9}{'B':>5}{'tok/s':>11}{'speedup':>9}"
+            f"{'predicted':>10}{'accept len':>11}  per-position acceptance")
+    lines = [head, "-" * len(head)]
+    for c in cells:
+        rates = "-" if c.acceptance_rate_per_pos is None else \
+            " ".join(f"{r:.2f}" for r in c.acceptance_rate_per_pos)
+        lines.append(f"{c.method:<12}{c.k:>3} {('on' if c.adaptive else 'off'):<9}"
+                     f"{c.batch_size:>5}{c.output_tokens_per_s:>11.1f}"
+                     f"{_fmt(c.speedup, '.3f'):>9}{_fmt(c.predicted_speedup, '.3f'):>10}"
+                     f"{_fmt(c.mean_acceptance_length, '.3f'):>11}  {rates}")
+    return "\n".join(lines)

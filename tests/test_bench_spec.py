@@ -1,0 +1,178 @@
+"""`photon bench spec`: the matrix, step times, predicted speedups, prompts and the CLI (CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from photon.bench.spec_prompts import heldout_code_prompts, random_prompts
+from photon.bench.spec_report import (
+    NO_SPEC,
+    Cell,
+    SpecSetting,
+    StepRecorder,
+    expected_tokens,
+    fill_speedups,
+    settings,
+    summarize_steps,
+)
+from photon.cli import main
+from photon.model.tiny import PHOTON_TINY, PHOTON_TINY_DRAFT, builtin_model_path
+from photon.train.tokenizer import HELDOUT_FILE, Manifest, load_stream, prepare
+from tests.test_train import _write_fake_stdlib
+
+BATCH_SIZES, KS, OUTPUT_LEN = (1, 3), (1, 2), 6
+
+
+class FakeClock:
+    def __init__(self, times: list[float]) -> None:
+        self.times = iter(times)
+
+    def __call__(self) -> float:
+        return next(self.times)
+
+
+def test_step_recorder_times_consecutive_decode_steps_by_k() -> None:
+    rec = StepRecorder(k=2, clock=FakeClock([0.0, 1.0, 1.5, 2.5, 2.75, 5.0, 5.5]))
+    rec.committed(0, 4, 0, False)  # prefill
+    rec.committed(1, 4, 2, True)  # 1.0 (after a prefill step: still a decode step)
+    rec.committed(2, 4, 2, True)  # 0.5
+    rec.committed(3, 4, 1, True)  # 1.0 at K_eff 1
+    rec.committed(4, 3, 2, True)  # a smaller batch: not B = 4
+    rec.committed(6, 4, 2, True)  # not consecutive (step 5 missing)
+    rec.committed(7, 4, 2, True)  # 0.5
+    assert rec.step_times(4) == {2: [1.0, 0.5, 0.5], 1: [1.0]}
+    assert summarize_steps(rec, 4) == ({1: 1.0, 2: 0.5}, {1: 1, 2: 3})
+    assert rec.choose(4) == 2  # fixed K without the engine's policy
+
+
+def _cell(method: str, k: int, adaptive: bool, tok_s: float, step: dict[int, float],
+          rates: list[float] | None = None) -> Cell:
+    accept = None if rates is None else expected_tokens(rates, k)
+    return Cell(method, k, adaptive, 4, 100, 100 / tok_s, tok_s, step, dict.fromkeys(step, 10),
+                mean_acceptance_length=accept, acceptance_rate_per_pos=rates)
+
+
+def test_predicted_speedup_fixed_and_adaptive() -> None:
+    cells = [_cell(NO_SPEC, 0, False, 100.0, {0: 1.0}),
+             _cell("ngram", 1, False, 150.0, {1: 1.2}, [0.8]),
+             _cell("ngram", 2, False, 120.0, {2: 2.0}, [0.8, 0.5]),
+             _cell("ngram", 2, True, 140.0, {1: 1.3}, [0.6, 0.3])]
+    fill_speedups(cells)
+    base, k1, k2, adaptive = cells
+    assert (base.speedup, base.predicted_speedup) == (1.0, None)
+    assert k1.speedup == pytest.approx(1.5)
+    assert k1.predicted_speedup == pytest.approx(1.8 / 1.2)
+    assert k1.prediction_error == pytest.approx(1.5 / 1.5 - 1)
+    assert k2.predicted_speedup == pytest.approx(2.3 / 2.0)
+    # adaptive: the best of k = 0 (1.0), k = 1 (1.6 / 1.2 from the fixed K=1 cell's step time)
+    # and k = 2 (1.9 / 2.0), from its own acceptance rates
+    assert adaptive.predicted_speedup == pytest.approx(1.6 / 1.2)
+
+
+def test_matrix_and_speculative_configs() -> None:
+    matrix = settings(["ngram", "draft_model"], [1, 3], [3, 5])
+    assert matrix == [SpecSetting(NO_SPEC)] + [
+        SpecSetting(m, k, a) for m in ("ngram", "draft_model")
+        for k, a in ((1, False), (3, False), (3, True), (5, True))]
+    assert settings(["ngram"], [2], []) == [SpecSetting(NO_SPEC), SpecSetting("ngram", 2)]
+    assert matrix[0].speculative_config("d") is None
+    assert SpecSetting("draft_model", 3, True).speculative_config("d") == {
+        "method": "draft_model", "num_speculative_tokens": 3, "adaptive": True, "model": "d"}
+    assert "model" not in SpecSetting("ngram", 1).speculative_config("d")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = tmp_path_factory.mktemp("stdlib")
+    _write_fake_stdlib(root)
+    out = str(tmp_path_factory.mktemp("data"))
+    prepare(out, vocab_size=400, stdlib=str(root))
+    return out
+
+
+def test_heldout_prompts_are_windows_of_the_stream(data_dir: str, tmp_path: Path) -> None:
+    model = tmp_path / "model"  # trained on the data's tokenizer
+    model.mkdir()
+    record = {"tokenizer_sha256": Manifest.read(data_dir).tokenizer_sha256}
+    (model / "config.json").write_text(json.dumps({"photon_training": record}))
+    stream = load_stream(data_dir, HELDOUT_FILE).tolist()
+    prompts = heldout_code_prompts(data_dir, 5, 20, str(model))
+    assert [len(p) for p in prompts] == [20] * 5
+    assert prompts[0] == stream[:20] and prompts[-1] == stream[-20:]
+    assert len({tuple(p) for p in prompts}) == 5
+
+
+def test_heldout_prompts_re_encode_for_another_tokenizer(data_dir: str) -> None:
+    model = builtin_model_path(PHOTON_TINY)  # trained on another corpus's tokenizer
+    prompts = heldout_code_prompts(data_dir, 3, 12, model)
+    source = Tokenizer.from_file(f"{data_dir}/tokenizer.json")
+    target = Tokenizer.from_file(f"{model}/tokenizer.json")
+    text = source.decode(load_stream(data_dir, HELDOUT_FILE).tolist())
+    assert [len(p) for p in prompts] == [12] * 3
+    assert all(target.decode(p) in text for p in prompts)
+
+
+def test_random_prompts_are_seeded_and_in_the_vocabulary() -> None:
+    prompts = random_prompts(4, 9, 50, seed=1)
+    assert prompts == random_prompts(4, 9, 50, seed=1) != random_prompts(4, 9, 50, seed=2)
+    assert np.array(prompts).shape == (4, 9) and np.array(prompts).max() < 50
+
+
+def test_cli_small_matrix(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_json = tmp_path / "spec.json"
+    code = main(["bench", "spec", "--model", PHOTON_TINY, "--draft", PHOTON_TINY_DRAFT,
+                 "--device", "cpu", "--batch-sizes", *map(str, BATCH_SIZES),
+                 "--num-speculative-tokens", *map(str, KS), "--adaptive-num-speculative-tokens", "2",
+                 "--input-len", "16",
+                 "--output-len", str(OUTPUT_LEN), "--warmup-tokens", "2",
+                 "--output-json", str(out_json)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert json.loads(out_json.read_text()) == summary
+    assert summary["complete"] is True and summary["errors"] == []
+    assert "method" in out and "per-position acceptance" in out  # the table
+    cells = {(c["method"], c["k"], c["adaptive"], c["batch_size"]): c for c in summary["cells"]}
+    want = {(NO_SPEC, 0, False, b) for b in BATCH_SIZES} | {
+        (m, k, a, b) for m in ("ngram", "draft_model") for k, a in ((1, False), (2, False),
+                                                                     (2, True))
+        for b in BATCH_SIZES}
+    assert set(cells) == want and len(summary["cells"]) == len(want)
+    for (method, k, _, b), c in cells.items():
+        assert c["output_tokens"] == b * OUTPUT_LEN and c["output_tokens_per_s"] > 0
+        if method == NO_SPEC:
+            assert c["speedup"] == 1.0 and c["mean_acceptance_length"] is None
+            assert c["acceptance_rate_per_pos"] is None and c["predicted_speedup"] is None
+            assert set(c["step_time_s"]) == {"0"}
+        else:
+            assert 1.0 <= c["mean_acceptance_length"] <= k + 1
+            assert len(c["acceptance_rate_per_pos"]) == k
+            assert c["speedup"] > 0
+
+
+def test_cli_refuses_a_speculative_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "spec", "--device", "cpu", "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 1}']) != 0
+    assert "--speculative-config is set by the benchmark" in capsys.readouterr().err
+    assert main(["bench", "spec", "--device", "cpu", "--methods", "draft_model"]) != 0
+    assert "--methods draft_model needs --draft" in capsys.readouterr().err
+
+
+def test_a_failing_setting_is_reported_and_the_others_run(capsys: pytest.CaptureFixture[str],
+                                                          tmp_path: Path) -> None:
+    out_json = tmp_path / "spec.json"
+    code = main(["bench", "spec", "--model", PHOTON_TINY, "--draft", str(tmp_path / "missing"),
+                 "--device", "cpu", "--batch-sizes", "2", "--num-speculative-tokens", "1",
+                 "--adaptive-num-speculative-tokens", "--input-len", "8", "--output-len", "3",
+                 "--warmup-tokens", "0", "--output-json", str(out_json)])
+    out, err = capsys.readouterr()
+    assert code == 1 and "draft_model K=1 failed" in err
+    summary = json.loads(out_json.read_text())
+    assert summary == json.loads(out.strip().splitlines()[-1]) and summary["complete"] is True
+    assert [e["setting"] for e in summary["errors"]] == ["draft_model K=1"]
+    assert [(c["method"], c["k"]) for c in summary["cells"]] == [(NO_SPEC, 0), ("ngram", 1)]
