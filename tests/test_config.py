@@ -157,5 +157,6 @@ def test_model_and_backend_registries_import_nothing_until_asked() -> None:
             "print('photon.model.qwen3' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, check=True).stdout.splitlines()
-    assert out == ["['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', "
-                   "'Qwen3ForCausalLM', 'torch', 'triton', 'xgrammar'] []", "True"]
+    assert out == ["['LlamaForCausalLM', 'MistralForCausalLM', 'MixtralForCausalLM', "
+                   "'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM', 'torch', "
+                   "'triton', 'xgrammar'] []", "True"]
