@@ -17,7 +17,8 @@ from photon.config import ConfigError
 from photon.errors import ParamError
 from photon.model.tiny import ensure_photon_tiny_random
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+             "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 VOCAB = 1024  # photon-tiny's vocab_size (tokenizer padded to a multiple of 64)
 MAX_POS = 4096  # photon-tiny's max_position_embeddings
 
