@@ -120,18 +120,24 @@ class StructuredOutputsConfig:
         return GrammarLimits(self.max_chars, self.max_choices)
 
 
-# The dense decoders (photon.model.llama's graph): their layers take a tensor-parallel group.
+# The MoE families: their config.json fields for (the number of experts, one expert's
+# intermediate size).
+MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM": ("num_experts", "moe_intermediate_size"),
+                     "MixtralForCausalLM": ("num_local_experts", "intermediate_size")}
+# The decoders of photon.model.llama's graph: their layers take a tensor-parallel group.
 TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                 "Qwen3ForCausalLM")
+                                 "Qwen3ForCausalLM", *MOE_ARCHITECTURES)
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """--tensor-parallel-size: ranks, one process each (rank 0 in the engine core's process)."""
+    """--tensor-parallel-size: ranks, one process each (rank 0 in the engine core's process);
+    --enable-expert-parallel: an MoE model's experts are partitioned over those ranks."""
 
     tensor_parallel_size: int = 1
     # A collective waiting longer than this for a rank ends the engine (a rank died or hangs).
     collective_timeout_s: float = 60.0
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
@@ -158,9 +164,37 @@ class ParallelConfig:
                 f"{name}={tp} and the model's num_key_value_heads={kv_heads}: the KV heads "
                 f"must split evenly over the ranks, or (fewer heads than ranks) the ranks "
                 f"evenly over the heads")
+        if architecture in MOE_ARCHITECTURES:
+            self._check_experts(architecture, hf_config)
+        if MOE_ARCHITECTURES.get(architecture, ("", ""))[1] == "intermediate_size":
+            return  # the experts' size (Mixtral): checked above
         inter = int(hf_config.get("intermediate_size") or 0)
         if inter % tp:
             raise ConfigError(f"{name}={tp} must divide the model's intermediate_size={inter}")
+
+    def check_expert_parallel(self, architecture: str) -> None:
+        """--enable-expert-parallel needs a mixture-of-experts model."""
+        if self.enable_expert_parallel and architecture not in MOE_ARCHITECTURES:
+            raise ConfigError(f"{flag('enable_expert_parallel')}: {architecture} has no experts; "
+                              f"expert parallelism applies to {', '.join(MOE_ARCHITECTURES)}")
+
+    def _check_experts(self, architecture: str, hf_config: dict[str, Any]) -> None:
+        """With expert parallelism every rank holds at least one expert; without it, each
+        expert's intermediate dimension splits evenly."""
+        tp, name = self.tensor_parallel_size, flag("tensor_parallel_size")
+        experts_field, inter_field = MOE_ARCHITECTURES[architecture]
+        if self.enable_expert_parallel:
+            # Qwen3-MoE's config.json may name the count num_local_experts, as Mixtral does
+            experts = int(hf_config.get(experts_field) or hf_config.get("num_local_experts") or 0)
+            if experts < tp:
+                raise ConfigError(f"{name}={tp} with expert parallelism: the model has "
+                                  f"{experts_field}={experts}, fewer experts than ranks")
+            return
+        inter = int(hf_config.get(inter_field) or 0)
+        if inter % tp:
+            raise ConfigError(f"{name}={tp} must divide the model's {inter_field}={inter} (each "
+                              f"expert is split over the ranks; or pass "
+                              f"--enable-expert-parallel to give each rank whole experts)")
 
 
 @dataclass(frozen=True)
@@ -276,6 +310,10 @@ class EngineArgs:
         "Tensor parallelism: split every layer over this many ranks, one process each (gloo on "
         "CPU, NCCL on CUDA); the model's attention heads must split evenly."),
         "aliases": ("-tp",)})
+    enable_expert_parallel: bool = field(default=False, metadata=_help(
+        "Mixture-of-experts models under tensor parallelism: partition the experts over the "
+        "ranks (each rank holds and loads E/N whole experts) instead of splitting every "
+        "expert's intermediate dimension; attention stays tensor parallel."))
     speculative_config: str | dict[str, Any] | SpeculativeConfig | None = field(
         default=None, metadata=_help(
             "Speculative decoding, as a JSON object (a dict in Python): "
@@ -340,7 +378,9 @@ class EngineArgs:
             structured_outputs=self.structured_outputs_config(),
             reasoning_parser=_reasoning_parser(self.reasoning_parser),
             speculative_config=_speculative_config(self.speculative_config),
-            parallel=_parallel_config(self.tensor_parallel_size, arch, hf_config),
+            parallel=_parallel_config(ParallelConfig(
+                self.tensor_parallel_size, enable_expert_parallel=self.enable_expert_parallel),
+                arch, hf_config),
         )
 
     def structured_outputs_config(self) -> StructuredOutputsConfig:
@@ -410,9 +450,9 @@ def _speculative_config(value: object) -> SpeculativeConfig | None:
     return parse_speculative_config(value)
 
 
-def _parallel_config(tensor_parallel_size: int, architecture: str,
+def _parallel_config(parallel: ParallelConfig, architecture: str,
                      hf_config: dict[str, Any]) -> ParallelConfig:
-    parallel = ParallelConfig(tensor_parallel_size)
+    parallel.check_expert_parallel(architecture)
     parallel.check_model(architecture, hf_config)
     return parallel
 

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from photon.config import EngineArgs, EngineConfig, ParallelConfig
+from photon.config import EngineArgs, EngineConfig
 from photon.engine.engine_core import EngineCore
 from photon.sampling_params import SamplingParams
 
@@ -14,12 +14,14 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 200, 3, 4, 5, 6, 7, 8, 9, 10, 11], 
 MAX_STEPS = 500  # every run here ends far sooner; a bound instead of a hang
 
 
-def tp_config(path: str, tp: int, pipelined: bool = True,
-              timeout_s: float | None = None) -> EngineConfig:
+def tp_config(path: str, tp: int, pipelined: bool = True, timeout_s: float | None = None,
+              expert_parallel: bool = False) -> EngineConfig:
     config = EngineArgs(model=path, tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4,
-                        pipelined=pipelined, structured_outputs_worker="inline").create_config()
+                        pipelined=pipelined, structured_outputs_worker="inline",
+                        enable_expert_parallel=expert_parallel).create_config()
     if timeout_s is not None:
-        config = dataclasses.replace(config, parallel=ParallelConfig(tp, timeout_s))
+        parallel = dataclasses.replace(config.parallel, collective_timeout_s=timeout_s)
+        config = dataclasses.replace(config, parallel=parallel)
     return config
 
 

@@ -54,13 +54,17 @@ def iter_weights(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, to
                 yield name, tensor
 
 
-def load_model(model_config: ModelConfig, device: str, tp: TPGroup | None = None) -> nn.Module:
+def load_model(model_config: ModelConfig, device: str, tp: TPGroup | None = None,
+               expert_parallel: bool = False) -> nn.Module:
     """The model on `device`; with a tensor-parallel group of more than one rank, this rank's
-    shards only (each checkpoint tensor is sliced as it is read)."""
+    shards only (each checkpoint tensor is sliced as it is read). expert_parallel (MoE models
+    only; checked by ParallelConfig): each rank holds whole experts, a share of them."""
     cls = get_model_class(model_config.architecture)
     torch_device = torch.device(device)
     # One rank: the model classes' own signature (those without tensor parallelism take no tp).
-    parallel = {"tp": tp} if tp is not None and tp.size > 1 else {}
+    parallel: dict[str, object] = {"tp": tp} if tp is not None and tp.size > 1 else {}
+    if parallel and expert_parallel:
+        parallel["expert_parallel"] = True
     with torch_device:
         model = cls(model_config.hf_config, model_config.dtype, torch_device,
                     use_triton=model_config.use_triton, **parallel)

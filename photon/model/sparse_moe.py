@@ -29,11 +29,14 @@ class MoESettings:
 class SparseMoeBlock(nn.Module):
     """x [T, H] -> the router's top-k experts' outputs, weighted and summed."""
 
-    def __init__(self, hidden_size: int, moe: MoESettings, use_triton: bool) -> None:
+    def __init__(self, hidden_size: int, moe: MoESettings, use_triton: bool,
+                 tp: TPGroup | None = None, expert_parallel: bool = False) -> None:
         super().__init__()
+        # The router is replicated: every rank routes every token the same way.
         self.gate = ReplicatedLinear(hidden_size, moe.num_experts)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, hidden_size, moe.intermediate_size,
-                                moe.renormalize, use_triton)
+                                moe.renormalize, use_triton, tp=tp,
+                                expert_parallel=expert_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))
@@ -65,7 +68,18 @@ def positive_int(cfg: dict[str, Any], *names: str) -> int:
 
 
 class MoEForCausalLM(LlamaForCausalLM):
-    """A Llama-graph decoder whose MLPs are (some or all) sparse MoE blocks."""
+    """A Llama-graph decoder whose MLPs are (some or all) sparse MoE blocks.
+
+    Under tensor parallelism attention, embeddings, the LM head and dense MLPs are split as in
+    the dense decoders; the experts are split by intermediate dimension, or with
+    `expert_parallel` partitioned whole over the ranks (each rank loads only its experts)."""
+
+    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype,
+                 device: torch.device | str, use_triton: bool = False,
+                 tp: TPGroup | None = None, expert_parallel: bool = False) -> None:
+        # Read by make_mlp while the base class builds the layers.
+        self.expert_parallel = expert_parallel
+        super().__init__(hf_config, dtype, device, use_triton, tp)
 
     @staticmethod
     def moe_settings(cfg: dict[str, Any]) -> MoESettings:
@@ -75,15 +89,14 @@ class MoEForCausalLM(LlamaForCausalLM):
     def is_sparse_layer(cls, cfg: dict[str, Any], layer_idx: int) -> bool:
         return True
 
-    @classmethod
-    def make_mlp(cls, cfg: dict[str, Any], layer_idx: int, flags: DecoderFlags,
+    def make_mlp(self, cfg: dict[str, Any], layer_idx: int, flags: DecoderFlags,
                  use_triton: bool, tp: TPGroup | None = None) -> nn.Module:
-        # Tensor parallelism is refused for the MoE families at config time: tp is None here.
-        if not cls.is_sparse_layer(cfg, layer_idx):
+        if not self.is_sparse_layer(cfg, layer_idx):
             return super().make_mlp(cfg, layer_idx, flags, use_triton, tp)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"unsupported hidden_act {cfg.get('hidden_act')!r} (only silu)")
-        return SparseMoeBlock(int(cfg["hidden_size"]), cls.moe_settings(cfg), use_triton)
+        return SparseMoeBlock(int(cfg["hidden_size"]), self.moe_settings(cfg), use_triton, tp,
+                              self.expert_parallel)
 
     def map_weight_name(self, hf_name: str) -> tuple[str, Any]:
         return map_expert_name(hf_name) or super().map_weight_name(hf_name)

@@ -101,7 +101,8 @@ class ModelRunner:
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
         torch.manual_seed(config.model.seed)
-        self.model = load_model(config.model, config.device, self.tp)
+        self.model = load_model(config.model, config.device, self.tp,
+                                config.parallel.enable_expert_parallel)
         self.backend = create_backend(config.attention_backend, config.device)
         spec = config.speculative_config
         # method draft_model: a second model whose KV blocks share the target's block ids

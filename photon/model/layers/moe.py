@@ -1,10 +1,16 @@
 """Mixture-of-experts layer: top-k routing and the experts' SiLU-gated MLPs.
 
-Expert weights are stacked: `w13_weight [E_local, 2*I, H]` (gate rows then up rows, like
-MergedColumnParallelLinear) and `w2_weight [E_local, H, I]` (vLLM's names). Experts are addressed
-by their global id; this layer holds the contiguous range [first_expert, last_expert) of them
-(today the whole set). Routed slots whose expert lies outside the range contribute zero, so with
-experts partitioned across ranks a sum over ranks gives the full output.
+Expert weights are stacked: `w13_weight [E_local, 2*I_local, H]` (gate rows then up rows, like
+MergedColumnParallelLinear) and `w2_weight [E_local, H, I_local]` (vLLM's names). Experts are
+addressed by their global id; this layer holds the contiguous range [first, last) of them. Routed
+slots whose expert lies outside the range contribute zero, so with experts partitioned across
+ranks a sum over ranks gives the full output.
+
+Under tensor parallelism every rank sees every token (attention replicates the hidden states), so
+no dispatch is needed: each rank computes its part of every token's output and one all-reduce
+sums the parts. The part is, with expert parallelism, the contribution of the rank's experts
+(rank r of N holds experts [r*E/N, (r+1)*E/N), I_local = I); without it, every expert's slice
+of the intermediate dimension (I_local = I/N, vLLM's default), like a row-parallel MLP.
 
 On CUDA with use_triton the fused Triton kernels (photon.kernels.fused_moe) run; otherwise the
 torch path, which loops over the experts that received tokens (it reads the routed expert ids on
@@ -19,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from photon.model.layers.linear import copy_into, new_param
+from photon.distributed.group import TPGroup
+from photon.model.layers.linear import copy_into, new_param, tp_or_single
 
 # Checkpoint shard names of one expert's projections: w1 = gate, w3 = up, w2 = down (Mixtral's
 # names; Qwen3-MoE's gate_proj/up_proj/down_proj are mapped onto them).
@@ -37,6 +44,11 @@ class ExpertRange:
     @classmethod
     def whole(cls, num_experts: int) -> ExpertRange:
         return cls(num_experts, 0, num_experts)
+
+    @classmethod
+    def of_rank(cls, num_experts: int, rank: int, size: int) -> ExpertRange:
+        """Rank `rank` of `size`'s contiguous share (sizes differ by at most one)."""
+        return cls(num_experts, rank * num_experts // size, (rank + 1) * num_experts // size)
 
     @property
     def num_local(self) -> int:
@@ -70,22 +82,37 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 class FusedMoE(nn.Module):
-    """Routed experts: forward(x [T, H], router_logits [T, E]) -> [T, H]."""
+    """Routed experts: forward(x [T, H], router_logits [T, E]) -> [T, H].
+
+    tp: the tensor-parallel group (None: one rank); expert_parallel: partition the experts over
+    its ranks instead of each expert's intermediate dimension. `experts` (one rank only) picks a
+    range explicitly."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, use_triton: bool = False,
-                 experts: ExpertRange | None = None) -> None:
+                 experts: ExpertRange | None = None, tp: TPGroup | None = None,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts="
                              f"{num_experts}]")
+        self.tp = tp_or_single(tp)
+        self.expert_parallel = expert_parallel and self.tp.size > 1
+        if self.expert_parallel:
+            experts = ExpertRange.of_rank(num_experts, self.tp.rank, self.tp.size)
         self.experts = experts or ExpertRange.whole(num_experts)
         self.top_k, self.renormalize = top_k, renormalize
-        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        n = self.experts.num_local
-        self.w13_weight = new_param(n, 2 * intermediate_size, hidden_size,
-                                    loader=self.weight_loader)
-        self.w2_weight = new_param(n, hidden_size, intermediate_size, loader=self.weight_loader)
+        # this rank's slice of each expert's intermediate dimension: [i_first, i_first + I_local)
+        self.shards = 1 if self.expert_parallel else self.tp.size
+        if intermediate_size % self.shards:
+            raise ValueError(f"moe intermediate size {intermediate_size} is not divisible by "
+                             f"tensor-parallel size {self.shards}")
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size // self.shards
+        self.i_first = 0 if self.expert_parallel else self.tp.rank * self.intermediate_size
+        n, i = self.experts.num_local, self.intermediate_size
+        self.w13_weight = new_param(n, 2 * i, hidden_size, loader=self.weight_loader)
+        self.w2_weight = new_param(n, hidden_size, i, loader=self.weight_loader)
         self.kernel = _fused_moe_kernel(use_triton)  # None: the torch path only
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
@@ -101,16 +128,27 @@ class FusedMoE(nn.Module):
         if not self.experts.first <= expert < self.experts.last:
             return
         dest = param.data[expert - self.experts.first]
-        if which != "w2":
-            i = self.intermediate_size
+        i, full = self.intermediate_size, self.intermediate_size * self.shards
+        want = (self.hidden_size, full) if which == "w2" else (full, self.hidden_size)
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"shape mismatch: checkpoint has {tuple(loaded.shape)}, expert "
+                             f"projection {which} expects {want}")
+        if which == "w2":  # [H, I]: this rank's input columns
+            loaded = loaded.narrow(1, self.i_first, i)
+        else:  # [I, H]: this rank's rows, into the gate or the up half
             dest = dest.narrow(0, 0 if which == "w1" else i, i)
+            loaded = loaded.narrow(0, self.i_first, i)
         copy_into(dest, loaded)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         if self.kernel is not None and x.is_cuda:
-            return self.kernel(x, self.w13_weight, self.w2_weight, weights, ids, self.experts)
-        return self.forward_torch(x, weights, ids)
+            out = self.kernel(x, self.w13_weight, self.w2_weight, weights, ids, self.experts)
+        else:
+            out = self.forward_torch(x, weights, ids)
+        # Each rank holds a part of every token's output (its experts, or its intermediate
+        # slice of every expert): the sum over the ranks is the whole.
+        return self.tp.all_reduce(out)
 
     def forward_torch(self, x: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
