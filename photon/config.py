@@ -127,14 +127,17 @@ TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """--tensor-parallel-size: ranks, one process each (rank 0 in the engine core's process)."""
+    """--tensor-parallel-size: ranks, one process each (rank 0 in the engine core's process);
+    --data-parallel-size: engine cores behind one front end (each with its own TP ranks)."""
 
     tensor_parallel_size: int = 1
     # A collective waiting longer than this for a rank ends the engine (a rank died or hangs).
     collective_timeout_s: float = 60.0
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("data_parallel_size", self.data_parallel_size)
         if not self.collective_timeout_s > 0:
             raise ConfigError(f"collective timeout must be > 0 seconds, "
                               f"got {self.collective_timeout_s!r}")
@@ -276,6 +279,11 @@ class EngineArgs:
         "Tensor parallelism: split every layer over this many ranks, one process each (gloo on "
         "CPU, NCCL on CUDA); the model's attention heads must split evenly."),
         "aliases": ("-tp",)})
+    data_parallel_size: int = field(default=1, metadata={**_help(
+        "Data parallelism (photon serve): run this many engine cores, each with its own "
+        "scheduler, KV cache and --tensor-parallel-size ranks; the server sends each new "
+        "request to the core with the fewest open requests."),
+        "aliases": ("-dp",)})
     speculative_config: str | dict[str, Any] | SpeculativeConfig | None = field(
         default=None, metadata=_help(
             "Speculative decoding, as a JSON object (a dict in Python): "
@@ -340,7 +348,8 @@ class EngineArgs:
             structured_outputs=self.structured_outputs_config(),
             reasoning_parser=_reasoning_parser(self.reasoning_parser),
             speculative_config=_speculative_config(self.speculative_config),
-            parallel=_parallel_config(self.tensor_parallel_size, arch, hf_config),
+            parallel=_parallel_config(self.tensor_parallel_size, self.data_parallel_size,
+                                      arch, hf_config),
         )
 
     def structured_outputs_config(self) -> StructuredOutputsConfig:
@@ -410,9 +419,9 @@ def _speculative_config(value: object) -> SpeculativeConfig | None:
     return parse_speculative_config(value)
 
 
-def _parallel_config(tensor_parallel_size: int, architecture: str,
+def _parallel_config(tensor_parallel_size: int, data_parallel_size: int, architecture: str,
                      hf_config: dict[str, Any]) -> ParallelConfig:
-    parallel = ParallelConfig(tensor_parallel_size)
+    parallel = ParallelConfig(tensor_parallel_size, data_parallel_size=data_parallel_size)
     parallel.check_model(architecture, hf_config)
     return parallel
 
