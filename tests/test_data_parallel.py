@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from photon import LLM
+from photon.cli import build_parser, main
 from photon.config import ConfigError, EngineArgs
 from photon.engine.async_engine import AsyncEngine, EngineDeadError, EngineUnavailableError
 from photon.engine.async_llm import AsyncLLM
@@ -153,6 +154,17 @@ def test_config_and_offline_llm_refuses() -> None:
         _config(0)
     with pytest.raises(ConfigError, match="photon serve --data-parallel-size 2"):
         LLM(**{**TINY_ARGS, "data_parallel_size": 2})
+    parser = build_parser()
+    ns = parser.parse_args(["serve", "-dp", "2"])
+    assert ns.data_parallel_size == 2 and _config(ns.data_parallel_size).parallel \
+        .data_parallel_size == 2
+
+
+def test_serve_refuses_dp_with_several_api_servers(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["serve", "--model", "photon-tiny-random", "--max-model-len", "256", "-dp", "2",
+            "--api-server-count", "2", "--port", "0"]
+    assert main(argv) == 2
+    assert "--api-server-count > 1 with --data-parallel-size > 1" in capsys.readouterr().err
 
 
 async def _until_error(engine: AsyncLLM, request_id: str, started: asyncio.Event
