@@ -132,15 +132,18 @@ TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen
 @dataclass(frozen=True)
 class ParallelConfig:
     """--tensor-parallel-size: ranks, one process each (rank 0 in the engine core's process);
-    --enable-expert-parallel: an MoE model's experts are partitioned over those ranks."""
+    --enable-expert-parallel: an MoE model's experts are partitioned over those ranks;
+    --data-parallel-size: engine cores behind one front end (each with its own TP ranks)."""
 
     tensor_parallel_size: int = 1
     # A collective waiting longer than this for a rank ends the engine (a rank died or hangs).
     collective_timeout_s: float = 60.0
     enable_expert_parallel: bool = False
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("data_parallel_size", self.data_parallel_size)
         if not self.collective_timeout_s > 0:
             raise ConfigError(f"collective timeout must be > 0 seconds, "
                               f"got {self.collective_timeout_s!r}")
@@ -314,6 +317,11 @@ class EngineArgs:
         "Mixture-of-experts models under tensor parallelism: partition the experts over the "
         "ranks (each rank holds and loads E/N whole experts) instead of splitting every "
         "expert's intermediate dimension; attention stays tensor parallel."))
+    data_parallel_size: int = field(default=1, metadata={**_help(
+        "Data parallelism (photon serve): run this many engine cores, each with its own "
+        "scheduler, KV cache and --tensor-parallel-size ranks; the server sends each new "
+        "request to the core with the fewest open requests."),
+        "aliases": ("-dp",)})
     speculative_config: str | dict[str, Any] | SpeculativeConfig | None = field(
         default=None, metadata=_help(
             "Speculative decoding, as a JSON object (a dict in Python): "
@@ -379,8 +387,8 @@ class EngineArgs:
             reasoning_parser=_reasoning_parser(self.reasoning_parser),
             speculative_config=_speculative_config(self.speculative_config),
             parallel=_parallel_config(ParallelConfig(
-                self.tensor_parallel_size, enable_expert_parallel=self.enable_expert_parallel),
-                arch, hf_config),
+                self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
+                enable_expert_parallel=self.enable_expert_parallel), arch, hf_config),
         )
 
     def structured_outputs_config(self) -> StructuredOutputsConfig:

@@ -11,7 +11,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from photon.config import EngineArgs
+from photon.config import ConfigError, EngineArgs, EngineConfig
 from photon.engine.engine_core import EngineCore
 from photon.outputs import RequestOutput
 from photon.sampling_params import SamplingParams
@@ -29,6 +29,7 @@ class LLM:
                             f"valid: {', '.join(EngineArgs.field_names())}")
         self.engine_args = EngineArgs(model=model, **engine_args)
         self.config = self.engine_args.create_config()
+        check_offline_parallel(self.config)
         self.engine = EngineCore(self.config)
 
     def get_tokenizer(self):  # noqa: ANN201 - photon.tokenizer.Tokenizer
@@ -179,3 +180,14 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams],
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; give one or one each")
     return params
+
+
+def check_offline_parallel(config: EngineConfig) -> None:
+    """The offline LLM drives one engine in this process: data parallelism (several engine
+    cores behind a load-balancing front end) is `photon serve`'s (ConfigError otherwise)."""
+    dp = config.parallel.data_parallel_size
+    if dp > 1:
+        raise ConfigError(
+            f"data_parallel_size (--data-parallel-size) = {dp}: the offline LLM (and photon "
+            f"generate / photon bench) runs one engine; data parallelism needs the "
+            f"engine-core processes of `photon serve --data-parallel-size {dp}` (use 1 here)")

@@ -9,11 +9,14 @@ import asyncio
 import copy
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from photon.config import EngineConfig
 from photon.engine.async_engine import AsyncEngine
 from photon.engine.async_llm import AsyncLLM
+from photon.engine.engine_core import EngineCore
 from photon.outputs import CompletionOutput, Logprob, RequestOutput
 from photon.sampling_params import SamplingParams
 
@@ -167,3 +170,23 @@ def run_pair(pair: tuple[Engine, Engine], cases: Sequence[Case]
              ) -> tuple[dict[str, Result], dict[str, Result]]:
     """The same cases through both engines, one after the other (the in-process one first)."""
     return run_cases(pair[0], cases), run_cases(pair[1], cases)
+
+
+@contextmanager
+def engine_pair(local: EngineConfig, remote: EngineConfig
+                ) -> Iterator[tuple[AsyncEngine, AsyncLLM]]:
+    """An in-process engine on `local` and an engine-core process front end on `remote`,
+    started; both shut down on exit."""
+    in_process = AsyncEngine(EngineCore(local))
+    try:
+        front = AsyncLLM(remote)
+    except BaseException:
+        in_process.shutdown()
+        raise
+    in_process.start()
+    front.start()
+    try:
+        yield in_process, front
+    finally:
+        front.shutdown()
+        in_process.shutdown()

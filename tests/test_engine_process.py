@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import pytest
 
 from photon.config import EngineArgs
 from photon.engine.async_engine import AsyncEngine, RequestSink
 from photon.engine.async_llm import AsyncLLM
-from photon.engine.engine_core import EngineCore
 from photon.sampling_params import SamplingParams
 from photon.structured.params import StructuredOutputsParams as SO
 from tests.engine_pair import (
@@ -28,6 +27,7 @@ from tests.engine_pair import (
     Engine,
     Result,
     differences,
+    engine_pair,
     run_cases,
     wait_drained,
 )
@@ -40,22 +40,9 @@ SCHEMA = {"type": "object", "properties": {
     "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"]}
 
 
-@contextmanager
-def _engines() -> Iterator[tuple[AsyncEngine, AsyncLLM]]:
+def _engines() -> AbstractContextManager[tuple[AsyncEngine, AsyncLLM]]:
     config = EngineArgs(**TINY_ARGS).create_config()
-    local = AsyncEngine(EngineCore(config))
-    try:
-        remote = AsyncLLM(config)
-    except BaseException:
-        local.shutdown()
-        raise
-    local.start()
-    remote.start()
-    try:
-        yield local, remote
-    finally:
-        remote.shutdown()
-        local.shutdown()
+    return engine_pair(config, config)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,9 @@ texts, and the callers' output streams. One reader thread receives the core's pe
 and hands each request's delta output to its `RequestSink`. If the core process dies, every open
 stream fails with `EngineDeadError`, `healthy` turns false and `dead` is set. If its loop raised,
 the core says why first (`CoreError`): the cause is logged once, and every open and later request
-fails with `EngineUnavailableError` naming the exception.
+fails with `EngineUnavailableError` naming the exception. With `--data-parallel-size N` there are
+N cores (photon.engine.core_group: each request goes to the least-loaded one), one reader thread
+each; any core's death or error ends the whole engine as above.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from photon.engine.async_engine import (
     stream_request,
 )
 from photon.engine.core_client import CoreClient
+from photon.engine.core_group import CoreGroup, combine_stats
+from photon.engine.engine_core import EngineStats
 from photon.engine.messages import (
     Abort,
     AddRequest,
@@ -113,9 +117,13 @@ class AsyncLLM:
         self._stop = False
         self._calls: dict[int, concurrent.futures.Future[Any]] = {}  # utility calls in flight
         self._call_ids = itertools.count()
-        # Starts the core process (raises its start-up error), unless attached to one.
-        self.client = client if client is not None else CoreClient.spawn(config)
-        self._reader = threading.Thread(target=self._read, name="photon-outputs", daemon=True)
+        # Starts the core processes (raises a start-up error), unless attached to one.
+        self.cores = CoreGroup([client]) if client is not None else CoreGroup.spawn(config)
+        self._stats: list[EngineStats | None] = [None] * len(self.cores.clients)
+        self._stats_lock = threading.Lock()  # the latest stats of each core, and the observer
+        self._readers = [threading.Thread(target=self._read, args=(c,), daemon=True,
+                                          name=f"photon-outputs-{i}")
+                         for i, c in enumerate(self.cores.clients)]
         # Everything alive now (tokenizer tables, the grammar compiler) stays out of the
         # collector's reach: every step's messages allocate many small objects, and each
         # collection would otherwise rescan all of it on the thread that hands out the outputs.
@@ -123,30 +131,43 @@ class AsyncLLM:
         gc.freeze()
 
     # ---- lifecycle ------------------------------------------------------------------------------
+    @property
+    def client(self) -> CoreClient:
+        """The (first) engine core's client."""
+        return self.cores.clients[0]
+
     def start(self) -> None:
-        if not self._reader.is_alive() and not self._stop:
-            self._reader.start()
+        for reader in self._readers:
+            if not reader.is_alive() and not self._stop:
+                reader.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
-        if self._reader.is_alive():
-            self._reader.join(timeout)
-        self.client.close()
+        for reader in self._readers:
+            if reader.is_alive():
+                reader.join(timeout)
+        self.cores.close()
         self.frontend.structured.shutdown()
         self._fail_all(EngineDeadError("the engine is shutting down"))
 
     def abort_all(self, reason: str) -> None:
         """End every open request now (the server is stopping): the core aborts them, their
         streams fail with `EngineUnavailableError(reason)`."""
-        with self._lock:
-            ids = list(self._live)
-        if ids and self.client.alive:
-            self.client.send(Abort(ids))
+        self._abort_on_cores()
         self._fail_all(EngineUnavailableError(reason))
+
+    def _abort_on_cores(self) -> None:
+        """Tell each live core to abort the open requests it owns."""
+        with self._lock:
+            owned = [(self.cores.owner(core_id), core_id) for core_id in self._live]
+        for client in self.cores.clients:
+            ids = [core_id for owner, core_id in owned if owner is client]
+            if ids and client.alive:
+                client.send(Abort(ids))
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and not self._stop and self.client.alive
+        return self.error is None and not self._stop and self.cores.alive
 
     # ---- requests -------------------------------------------------------------------------------
     async def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
@@ -165,13 +186,16 @@ class AsyncLLM:
             self._core_ids[request_id] = core_id
             self._live[core_id] = entry
             self._processor.add(core_id, request_id, prompt_ids, params, arrival)
-        self.client.send(AddRequest(core_id, prompt_ids, params, arrival))
+            client = self.cores.assign(core_id)  # n > 1: the core runs every child
+        client.send(AddRequest(core_id, prompt_ids, params, arrival))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; unknown or finished ids are ignored)."""
-        core_id = self._core_ids.get(request_id)
-        if core_id is not None and self.client.alive:
-            self.client.send(Abort([core_id]))
+        with self._lock:
+            core_id = self._core_ids.get(request_id)
+            client = None if core_id is None else self.cores.owner(core_id)
+        if client is not None and client.alive:
+            client.send(Abort([core_id]))
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  request_id: str) -> AsyncIterator[RequestOutput]:
@@ -181,65 +205,78 @@ class AsyncLLM:
     def call_utility(self, method: str, timeout: float = 30.0) -> int | str | None:
         """Run one of the core's utility methods (photon.engine.core_proc.UTILITIES, or
         "pause" / "resume": no step runs while paused) between two steps; blocks the calling
-        thread for its result. A failed check raises AssertionError, other errors RuntimeError."""
+        thread for its result. A failed check raises AssertionError, other errors RuntimeError.
+        With several cores every core runs it; integer results add up."""
         self._check_alive()
+        futs = [self._call(client, method) for client in self.cores.clients]
+        values = [fut.result(timeout) for fut in futs]
+        if len(values) > 1 and all(isinstance(v, int) for v in values):
+            return sum(values)
+        return values[0]
+
+    def _call(self, client: CoreClient, method: str) -> concurrent.futures.Future[Any]:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             self._check_alive()
             call_id = next(self._call_ids)
             self._calls[call_id] = fut
-        self.client.send(Utility(call_id, method))
-        return fut.result(timeout)
+        client.send(Utility(call_id, method))
+        return fut
 
     def _check_alive(self) -> None:
         if self.healthy:
             return
         cause = self.error
-        if cause is None and not self.client.alive:  # dead, and the reader has not seen it yet
-            cause = EngineDeadError(exit_cause(self.client.exitcode))
+        dead = self.cores.first_dead()
+        if cause is None and dead is not None:  # dead, and its reader has not seen it yet
+            cause = EngineDeadError(exit_cause(dead.exitcode))
         raise EngineUnavailableError(stopped_message(cause))
 
     # ---- the reader thread ----------------------------------------------------------------------
-    def _read(self) -> None:
+    def _read(self, client: CoreClient) -> None:
+        """One core's reader thread."""
         while not self._stop:
-            msg = self.client.recv(_POLL_MS)
+            msg = client.recv(_POLL_MS)
             if msg is None:
-                if not self.client.alive and not self._stop:
-                    self._after_exit()
+                if not client.alive and not self._stop:
+                    self._after_exit(client)
                     return
             elif isinstance(msg, CoreError):
                 self._core_failed(msg)
                 return
             else:
-                self._on_step(msg)
+                self._on_step(client, msg)
 
-    def _on_step(self, msg: StepOutputs) -> None:
+    def _on_step(self, client: CoreClient, msg: StepOutputs) -> None:
         now = time.monotonic()
         ready: list[tuple[RequestSink, tuple[Any, RequestOutput]]] = []
         for delta in msg.requests:
-            self._dispatch(delta, now, ready)
+            self._dispatch(client, delta, now, ready)
         hand_over(ready)
         for result in msg.utility:
             self._answer(result)
-        self.counters.num_waiting = msg.stats.num_waiting
-        self.counters.num_running = msg.stats.num_running
-        self.observer.on_step(msg.step_s, msg.gap_s, msg.stats)
+        with self._stats_lock:
+            self._stats[self.cores.clients.index(client)] = msg.stats
+            stats = combine_stats([s for s in self._stats if s is not None])
+            self.counters.num_waiting = stats.num_waiting
+            self.counters.num_running = stats.num_running
+            self.observer.on_step(msg.step_s, msg.gap_s, stats)
 
-    def _after_exit(self) -> None:
-        """The core process has exited: take what it sent last (its error, if its loop raised,
+    def _after_exit(self, client: CoreClient) -> None:
+        """A core process has exited: take what it sent last (its error, if its loop raised,
         may still be on its way), then fail everything with the best cause known."""
-        while (msg := self.client.recv(_POLL_MS)) is not None:
+        while (msg := client.recv(_POLL_MS)) is not None:
             if isinstance(msg, CoreError):
                 self._core_failed(msg)
                 return
-            self._on_step(msg)
-        self._core_died(EngineDeadError(exit_cause(self.client.exitcode)))
+            self._on_step(client, msg)
+        self._core_died(EngineDeadError(exit_cause(client.exitcode)))
 
     def _core_failed(self, msg: CoreError) -> None:
         logger.error("photon: %s", msg.describe())
         self._core_died(EngineUnavailableError(msg.describe()))
 
-    def _dispatch(self, delta: Any, now: float,
+    def _dispatch(self, client: CoreClient, delta: Any, now: float,
                   ready: list[tuple[RequestSink, tuple[Any, RequestOutput]]]) -> None:
         with self._lock:
             entry = self._live.get(delta.request_id)
@@ -249,8 +286,9 @@ class AsyncLLM:
             if out is not None and out.finished:
                 del self._live[delta.request_id]
                 self._core_ids.pop(entry.request_id, None)
+                self.cores.release(delta.request_id)
         if stopped:
-            self.client.send(Abort(stopped))
+            client.send(Abort(stopped))
         if out is not None:
             self.observer.on_output(entry, out, now)
             ready.append((entry.sink, (entry.tag, out)))
@@ -272,6 +310,7 @@ class AsyncLLM:
         # `error` under the lock and are refused.
         with self._lock:
             self.error = error
+        self._abort_on_cores()  # the other cores' requests end with the engine
         self._fail_all(self.error)
         self.dead.set()
 
@@ -279,6 +318,7 @@ class AsyncLLM:
         with self._lock:
             live, self._live = list(self._live.items()), {}
             self._core_ids = {}
+            self.cores.clear()
             calls, self._calls = list(self._calls.values()), {}
             for core_id, _ in live:
                 self._processor.remove(core_id)

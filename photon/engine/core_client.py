@@ -43,12 +43,14 @@ class CoreStartError(RuntimeError):
     """The engine-core process failed to start."""
 
 
-def start_core(config: EngineConfig, clients: list[ClientAddresses]) -> subprocess.Popen:
-    """Start an engine-core process that serves `clients` (each binds its own addresses)."""
+def start_core(config: EngineConfig, clients: list[ClientAddresses],
+               env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start an engine-core process that serves `clients` (each binds its own addresses);
+    `env`: its environment (default: this process's)."""
     # A session of its own: a terminal's Ctrl-C reaches the front end only, which stops the core
     # in order (the core never outlives it: it watches its parent).
     proc = subprocess.Popen([sys.executable, "-m", "photon.engine.core_proc"],
-                            stdin=subprocess.PIPE, start_new_session=True)
+                            stdin=subprocess.PIPE, start_new_session=True, env=env)
     proc.stdin.write(pickle.dumps((config, clients)))
     proc.stdin.close()
     return proc
@@ -90,13 +92,17 @@ class CoreClient:
     @classmethod
     def spawn(cls, config: EngineConfig) -> CoreClient:
         """Start a core of its own (this front end is its only client)."""
+        return cls.start(config).ready_or_closed()
+
+    @classmethod
+    def start(cls, config: EngineConfig, env: dict[str, str] | None = None) -> CoreClient:
+        """Start a core of its own without waiting for it (`wait_ready` does)."""
         directory = tempfile.mkdtemp(prefix="photon-core-")
         addresses = client_addresses(directory, 1)
         client = cls(addresses[0], 0, directory)
         try:
-            client.proc = start_core(config, addresses)
+            client.proc = start_core(config, addresses, env)
             client.core_pid = client.proc.pid
-            client.wait_ready()
         except BaseException:
             client.close()
             raise
@@ -107,12 +113,16 @@ class CoreClient:
         """Front end `index` of a core another process started."""
         client = cls(addresses, index)
         client.core_pid = core_pid
+        return client.ready_or_closed()
+
+    def ready_or_closed(self) -> CoreClient:
+        """This client once its core is ready; closed if the core failed to start."""
         try:
-            client.wait_ready()
+            self.wait_ready()
         except BaseException:
-            client.close()
+            self.close()
             raise
-        return client
+        return self
 
     def wait_ready(self) -> None:
         decoder = msgspec.msgpack.Decoder(CoreStarted)

@@ -121,6 +121,9 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.api_server_count > 1:
         from photon.server.multi import serve_many
 
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError("--api-server-count > 1 with --data-parallel-size > 1 is not "
+                             "supported yet: use one of them")
         return serve_many(config, scfg, ns.host, ns.port, ns.api_server_count, ns.log_level)
     engine = AsyncLLM(config)  # the engine core runs in a process of its own
     try:

@@ -1,0 +1,147 @@
+"""The engine cores behind one front end: one, or N with `--data-parallel-size N`.
+
+Each core is a process of its own with its own scheduler, KV cache and model runner (and, with
+`--tensor-parallel-size`, its own ranks). `CoreGroup` sends each new request to the core with the
+least load: the requests the front end sent there whose final output it has not seen yet
+(running + waiting, as far as the front end can tell); ties go to the lowest index. It remembers
+each live request's core, so aborts (of a request, or of one of the children of an n > 1
+request: they all run on their parent's core) go there.
+
+The cores never talk to each other: nothing needs them to step together while no model runs
+collectives across them (an expert-parallel MoE whose experts span data-parallel ranks would:
+its idle ranks would have to run dummy steps; photon has no such layout yet).
+
+On CUDA core i sees GPUs i*tp .. i*tp+tp-1 of this process's visible devices
+(CUDA_VISIBLE_DEVICES), so that its ranks number them from 0 as a single core does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from photon.config import ConfigError, EngineConfig
+from photon.engine.core_client import CoreClient
+from photon.engine.engine_core import EngineStats
+from photon.spec.stats import SpecDecodingStats
+
+
+class CoreGroup:
+    """The cores and which of them owns each live request. Not thread-safe: the front end
+    calls `assign`, `release` and `clear` under its own lock."""
+
+    def __init__(self, clients: list[CoreClient]) -> None:
+        self.clients = clients
+        self._owner: dict[str, int] = {}  # the core's request id -> index of its core
+        self._load = [0] * len(clients)  # live requests per core
+
+    @classmethod
+    def spawn(cls, config: EngineConfig) -> CoreGroup:
+        """Start `data_parallel_size` cores (all at once) and wait until each is ready."""
+        size = config.parallel.data_parallel_size
+        if size == 1:
+            return cls([CoreClient.spawn(config)])
+        clients: list[CoreClient] = []
+        try:
+            for rank in range(size):
+                clients.append(CoreClient.start(config, core_env(config, rank)))
+            for client in clients:
+                client.wait_ready()
+        except BaseException:
+            for client in clients:
+                client.close()
+            raise
+        return cls(clients)
+
+    @property
+    def loads(self) -> list[int]:
+        return list(self._load)
+
+    def assign(self, request_id: str) -> CoreClient:
+        """The least-loaded core, now owning `request_id`."""
+        index = min(range(len(self.clients)), key=lambda i: (self._load[i], i))
+        self._owner[request_id] = index
+        self._load[index] += 1
+        return self.clients[index]
+
+    def owner(self, request_id: str) -> CoreClient | None:
+        index = self._owner.get(request_id)
+        return None if index is None else self.clients[index]
+
+    def release(self, request_id: str) -> None:
+        """`request_id` finished (its final output was seen); unknown ids are ignored."""
+        index = self._owner.pop(request_id, None)
+        if index is not None:
+            self._load[index] -= 1
+
+    def clear(self) -> None:
+        self._owner.clear()
+        self._load = [0] * len(self.clients)
+
+    @property
+    def alive(self) -> bool:
+        return all(client.alive for client in self.clients)
+
+    def first_dead(self) -> CoreClient | None:
+        return next((client for client in self.clients if not client.alive), None)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
+def visible_devices_for(visible: list[str], tp: int, dp: int, rank: int) -> str:
+    """The CUDA_VISIBLE_DEVICES of data-parallel core `rank` (ConfigError if too few GPUs)."""
+    if len(visible) < tp * dp:
+        raise ConfigError(
+            f"data_parallel_size (--data-parallel-size) = {dp} x tensor_parallel_size = {tp} "
+            f"needs {tp * dp} GPUs; {len(visible)} are visible")
+    return ",".join(visible[rank * tp:(rank + 1) * tp])
+
+
+def core_env(config: EngineConfig, rank: int) -> dict[str, str] | None:
+    """The environment of data-parallel core `rank`: its own GPUs on CUDA (None: inherit)."""
+    if config.device != "cuda":
+        return None
+    import torch
+
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = given.split(",") if given else [str(i) for i in range(torch.cuda.device_count())]
+    parallel = config.parallel
+    devices = visible_devices_for(visible, parallel.tensor_parallel_size,
+                                  parallel.data_parallel_size, rank)
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": devices}
+
+
+def combine_stats(stats: list[EngineStats]) -> EngineStats:
+    """The whole engine's stats from each core's latest: counts and cumulative counters add up,
+    the KV cache usage is the mean (the cores have caches of one size)."""
+    if len(stats) == 1:
+        return stats[0]
+    specs = [s.spec_decoding for s in stats if s.spec_decoding is not None]
+    return EngineStats(
+        num_running=sum(s.num_running for s in stats),
+        num_waiting=sum(s.num_waiting for s in stats),
+        kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
+        num_evictable_blocks=sum(s.num_evictable_blocks for s in stats),
+        prefix_queries=sum(s.prefix_queries for s in stats),
+        prefix_hits=sum(s.prefix_hits for s in stats),
+        num_preemptions=sum(s.num_preemptions for s in stats),
+        spec_decoding=_combine_spec(specs) if specs else None,
+    )
+
+
+def _combine_spec(specs: list[SpecDecodingStats]) -> SpecDecodingStats:
+    total = dataclasses.replace(specs[0], num_accepted_tokens_per_pos=list(
+        specs[0].num_accepted_tokens_per_pos))
+    for s in specs[1:]:
+        total.num_drafts += s.num_drafts
+        total.num_draft_tokens += s.num_draft_tokens
+        total.num_accepted_tokens += s.num_accepted_tokens
+        per_pos = total.num_accepted_tokens_per_pos
+        for i, v in enumerate(s.num_accepted_tokens_per_pos):
+            if i < len(per_pos):
+                per_pos[i] += v
+            else:
+                per_pos.append(v)
+    return total
