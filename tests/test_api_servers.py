@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 from photon import LLM, SamplingParams
+from tests.server_util import wait_until
 
 ARGS = ["--max-model-len", "256", "--max-num-seqs", "16", "--seed", "0"]
 PROMPTS = [[5 + i, 6, 7, 8 + i] for i in range(12)]
@@ -44,13 +44,6 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def _wait(predicate: object, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
-
-
 def _healthy(url: str) -> bool:
     try:
         return httpx.get(url + "/health", timeout=2).status_code == 200
@@ -66,7 +59,7 @@ def server() -> Iterator[tuple[subprocess.Popen, str]]:
                             stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait(lambda: _healthy(url) or proc.poll() is not None, "the server is up", 120)
+        wait_until(lambda: _healthy(url) or proc.poll() is not None, "the server is up", 120)
         assert proc.poll() is None, proc.stderr.read()
         yield proc, url
     finally:
@@ -103,7 +96,7 @@ def test_two_api_servers_serve_one_engine(server: tuple[subprocess.Popen, str]) 
                             use_tqdm=False)
     assert got == [o.outputs[0].text for o in expected]
     # every server's requests are counted, whichever server answers the scrape
-    _wait(lambda: _metric(url, "photon:generation_tokens_total") == 8 * len(PROMPTS),
+    wait_until(lambda: _metric(url, "photon:generation_tokens_total") == 8 * len(PROMPTS),
           "the metrics count every token")
     assert _metric(url, "photon:request_success_total") == len(PROMPTS)
     stream = httpx.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 4,
@@ -120,7 +113,7 @@ def test_sigterm_stops_every_process(server: tuple[subprocess.Popen, str]) -> No
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
     assert "Traceback" not in proc.stderr.read()
-    _wait(lambda: not any(_alive(p) for p in children), "every child exits", 30)
+    wait_until(lambda: not any(_alive(p) for p in children), "every child exits", 30)
 
 
 def test_a_dead_core_stops_the_server_with_an_error(server: tuple[subprocess.Popen, str]

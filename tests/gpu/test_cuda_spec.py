@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from photon import LLM, SamplingParams
+from photon.engine.engine_core import EngineCore
 from tests.gpu.test_cuda_pipeline import sync_debug_error  # noqa: F401 - the fixture
 from tests.test_pipeline import Spec, run
 from tests.test_spec_engine import GREEDY, _prompts
@@ -64,13 +65,21 @@ def test_no_hidden_sync_with_speculation(sync_debug_error: list[int]) -> None:  
                              ignore_eos=True, logprobs=2),
               SamplingParams(temperature=1.0, seed=4, max_tokens=40, presence_penalty=0.5,
                              repetition_penalty=1.2, ignore_eos=True)] * 3
-    for i, sp in enumerate(params):
-        core.add_request("def f(x):\n    return x + 1\n" * (i + 2), sp)
+    prompts = ["def f(x):\n    return x + 1\n" * (i + 2) for i in range(len(params))]
+    run_speculative_without_sync(core, prompts, params, sync_debug_error)
+
+
+def run_speculative_without_sync(core: EngineCore, prompts: list[str],
+                                 params: list[SamplingParams], waits: list[int]) -> None:
+    """Run the requests with any host sync but the commit's wait raising; then the drafts were
+    accepted, speculative graphs replayed, and the engine drained."""
+    for prompt, sp in zip(prompts, params):
+        core.add_request(prompt, sp)
     torch.cuda.set_sync_debug_mode("error")
     while core.has_unfinished():
         core.step()
     torch.cuda.set_sync_debug_mode(0)
-    assert sync_debug_error[0] > 0
+    assert waits[0] > 0
     assert core.runner.spec.counters.num_accepted_tokens > 0
     assert core.runner.graphs.spec_replays > 0  # graphs on: the replays made no sync either
     core.assert_drained()

@@ -10,6 +10,7 @@ import torch
 
 from photon import LLM, SamplingParams
 from tests.gpu.test_cuda_pipeline import sync_debug_error  # noqa: F401 - the fixture
+from tests.gpu.test_cuda_spec import run_speculative_without_sync
 from tests.test_spec_draft_engine import CODE, DRAFT, TARGET
 
 pytestmark = [pytest.mark.gpu,
@@ -51,13 +52,5 @@ def test_no_hidden_sync_with_a_draft_model(sync_debug_error: list[int]) -> None:
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=3, max_tokens=40,
                              ignore_eos=True, logprobs=2)] * 3
-    for i, sp in enumerate(params):
-        core.add_request(CODE[i % len(CODE)] * (i + 1), sp)
-    torch.cuda.set_sync_debug_mode("error")
-    while core.has_unfinished():
-        core.step()
-    torch.cuda.set_sync_debug_mode(0)
-    assert sync_debug_error[0] > 0
-    assert core.runner.spec.counters.num_accepted_tokens > 0
-    assert core.runner.graphs.spec_replays > 0  # graphs on: the replays made no sync either
-    core.assert_drained()
+    prompts = [CODE[i % len(CODE)] * (i + 1) for i in range(len(params))]
+    run_speculative_without_sync(core, prompts, params, sync_debug_error)
