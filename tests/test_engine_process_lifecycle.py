@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -21,8 +22,8 @@ from photon import SamplingParams
 from photon.config import EngineArgs
 from photon.engine.async_engine import EngineUnavailableError
 from photon.engine.async_llm import AsyncLLM
-from photon.engine.core_client import CoreStartError
-from photon.engine.core_proc import FAULT_STEP_ENV
+from photon.engine.core_client import CoreClient, CoreStartError
+from photon.engine.core_proc import FAULT_STEP_ENV, client_addresses
 from photon.engine.engine_core import EngineCore
 from photon.server.app import build_app
 from photon.server.openai_serving import ServerConfig
@@ -86,6 +87,22 @@ def test_start_error_carries_the_cores_message() -> None:
     assert str(remote.value) == f"{type(in_process.value).__name__}: {in_process.value}"
     assert "num_gpu_blocks_override" in str(remote.value)
     assert _wait_gone(sorted(set(_descendants(os.getpid())) - before)) == []
+
+
+def test_closing_a_client_whose_core_is_gone_does_not_block(tmp_path: Path) -> None:
+    """A core that exited after its start error but is not yet reaped looks alive and has no
+    socket connected: the Shutdown courtesy must not block close() (a PUSH send without a peer
+    waits forever), so a failed start raises instead of hanging."""
+    client = CoreClient(client_addresses(str(tmp_path), 1)[0])
+    client.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    closer = threading.Thread(target=client.close, kwargs={"timeout_s": 0.1}, daemon=True)
+    closer.start()
+    closer.join(30)
+    finished = not closer.is_alive()
+    if not finished:
+        client.proc.kill()
+    assert finished, "close() blocked sending Shutdown to a core with no connected socket"
+    assert client.proc.returncode is not None  # terminated and reaped
 
 
 def test_shutdown_leaves_no_process() -> None:

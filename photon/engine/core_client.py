@@ -149,12 +149,14 @@ class CoreClient:
     def exitcode(self) -> int | None:
         return self.proc.poll() if self.proc is not None else None
 
-    def send(self, msg: CoreInput) -> None:
+    def send(self, msg: CoreInput, block: bool = True) -> None:
+        """block=False raises zmq.Again instead of waiting when no core is connected (a PUSH
+        socket without a peer blocks: a core that exited but is not yet reaped has none)."""
         if hasattr(msg, "client"):
             msg.client = self.index
         data = self._encoder.encode(msg)
         with self._send_lock:
-            self._inputs.send(data, copy=False)
+            self._inputs.send(data, flags=0 if block else zmq.NOBLOCK, copy=False)
 
     def recv(self, timeout_ms: int) -> CoreOutput | None:
         """The next step's outputs (or the core's error), or None after `timeout_ms` without
@@ -176,8 +178,8 @@ class CoreClient:
 
     def _stop_core(self, timeout_s: float) -> None:
         if self.alive:
-            try:
-                self.send(Shutdown())
+            try:  # a courtesy: terminate and kill follow if the core does not exit
+                self.send(Shutdown(), block=False)
             except zmq.ZMQError:
                 pass
         for stop, wait_s in ((None, timeout_s), (self.proc.terminate, 5.0),
