@@ -24,6 +24,8 @@ from photon.attention.backend import AttentionBackend, AttentionMetadata, Forwar
 from photon.config import ModelConfig
 from photon.core.inputs import StepInputs
 from photon.model.loader import load_model
+from photon.spec.draft_model import DraftStep
+from photon.worker.draft_graphs import DraftGraphs
 
 
 def kv_block_bytes(mc: ModelConfig, block_size: int) -> int:
@@ -45,12 +47,18 @@ class DraftRunner:
         self.backend = backend
         # The step row of each request index in the step being sampled (for its block table).
         self._row_of = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.graphs: DraftGraphs | None = None
+
+    def capture_graphs(self, max_batch: int, max_blocks: int) -> None:
+        """Capture the draft's decode steps (CUDA only; call before any step is in flight)."""
+        self.graphs = DraftGraphs(self, max_batch, max_blocks, self.kv_caches[0].device)
+        self.graphs.capture()
 
     def catch_up(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> None:
         """The draft's forward over the target's step inputs: only its KV writes matter."""
         self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
 
-    def decode(self, dev: StepInputs[Tensor], num_rows: int, num_proposing: int) -> DraftDecode:
+    def decode(self, dev: StepInputs[Tensor], num_rows: int, num_proposing: int) -> DraftStep:
         """The draft step of a sampled step's proposing requests (`dev.propose_reqs`, of which
         the host knows there are `num_proposing`); `num_rows`: the staged rows (a graph's
         padding rows included: the rows of `dev.block_tables`)."""
@@ -59,6 +67,10 @@ class DraftRunner:
                                       right=True)
         self._row_of[dev.pool_rows] = step_row
         tables = dev.block_tables.view(num_rows, -1)[self._row_of[dev.propose_reqs]]
+        batch = (None if self.graphs is None
+                 else self.graphs.bucket(num_proposing, tables.shape[1]))
+        if batch is not None:
+            return self.graphs.bind(tables, batch)
         return DraftDecode(self, tables, num_proposing)
 
 

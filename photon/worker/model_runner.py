@@ -147,6 +147,8 @@ class ModelRunner:
             fwd = GraphModel(self.model, self.backend, self.kv_caches, self.token_pool, self.draft)
             self.graphs = StepGraphs.build(fwd, config, max_blocks, self.device)
             self.graphs.capture()
+            if self.draft is not None:
+                self.draft.capture_graphs(max_seqs, max_blocks)
 
     # ---- sizing -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:

@@ -1,6 +1,7 @@
 """GPU checks of speculative decoding with a draft model: on CUDA, greedy with the committed
 trained pair gives exactly the tokens of greedy without speculation (float32), with CUDA graphs
-(the draft's catch-up captured with the target's forward) and eagerly alike, pipelined equals
+(the draft's catch-up captured with the target's forward, its decode steps in graphs of their
+own) and eagerly alike, pipelined equals
 blocking, the draft is accepted, and the loop makes no host sync but the commit's wait."""
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ def test_draft_model_greedy_equals_greedy_cuda(k: int) -> None:
     eager = LLM(pipelined=True, enforce_eager=True, speculative_config=_spec(k), **KW)
     assert _greedy(eager) == base
     assert pipelined.engine.runner.spec.counters.num_accepted_tokens > 0
-    for llm in (pipelined, blocking):  # the speculative steps replayed their graphs
+    for llm in (pipelined, blocking):  # the speculative and the draft steps replayed graphs
         assert llm.engine.runner.graphs.spec_replays > 0
+        assert llm.engine.runner.draft.graphs.replays > 0
+    assert eager.engine.runner.draft.graphs is None
 
 
 def test_no_hidden_sync_with_a_draft_model(sync_debug_error: list[int]) -> None:  # noqa: F811
