@@ -19,17 +19,11 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+# hash_block is looked up in this module at each call, so tests can monkeypatch it here to force
+# collisions; its values are the same in every process (photon.engine.block_hash).
+from photon.engine.block_hash import ROOT_HASH, hash_block
+
 NULL_BLOCK = 0
-# Parent hash of the first block of every chain.
-ROOT_HASH = hash(("photon-kv-root",))
-
-
-def hash_block(parent_hash: int, tokens: tuple[int, ...]) -> int:
-    """Hash-chain step: h_i = hash((h_{i-1}, tokens of block i)).
-
-    Module-level so tests can monkeypatch it to force collisions.
-    """
-    return hash((parent_hash, tokens))
 
 
 @dataclass
