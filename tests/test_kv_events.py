@@ -323,3 +323,19 @@ def test_engine_publishes_its_cache_changes(ctx: zmq.Context) -> None:
     finally:
         engine.shutdown()
     assert not engine.kv_events.thread_alive
+
+
+def test_cli_flag_reaches_the_engine_config() -> None:
+    import argparse
+
+    from photon.cli import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(["--model", "photon-tiny-random", "--kv-events-config",
+                            '{"enable_kv_cache_events": true, "topic": "kv-events"}'])
+    config = engine_args_from(ns).create_config()
+    assert config.kv_events_config == KVEventsConfig(True, "zmq", topic="kv-events")
+    ns = parser.parse_args(["--model", "photon-tiny-random", "--kv-events-config", '{"hwm": -1}'])
+    with pytest.raises(ConfigError, match=r"kv_events_config \(--kv-events-config\): hwm"):
+        engine_args_from(ns).create_config()
