@@ -7,7 +7,9 @@ and returns the frozen `EngineConfig` that every component reads. Nothing mutate
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +20,7 @@ from photon.structured.params import GrammarLimits
 
 if TYPE_CHECKING:
     from photon.generation_config import GenerationDefaults
+    from photon.kv_events.config import KVEventsConfig
     from photon.spec.config import SpeculativeConfig
 
 _DTYPES = {
@@ -140,10 +143,15 @@ class ParallelConfig:
     collective_timeout_s: float = 60.0
     enable_expert_parallel: bool = False
     data_parallel_size: int = 1
+    # This engine core's rank among the data_parallel_size cores (set per core when spawned).
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("data_parallel_size", self.data_parallel_size)
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ConfigError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
+                              f"got {self.data_parallel_rank!r}")
         if not self.collective_timeout_s > 0:
             raise ConfigError(f"collective timeout must be > 0 seconds, "
                               f"got {self.collective_timeout_s!r}")
@@ -213,6 +221,7 @@ class EngineConfig:
     reasoning_parser: str | None = None
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_events_config: KVEventsConfig | None = None  # None: no KV cache events
 
     @property
     def pipeline_depth(self) -> int:
@@ -331,6 +340,14 @@ class EngineArgs:
             "\"num_speculative_tokens\": 3}' from a small draft model sharing the target's "
             "tokenizer and vocabulary (its KV cache shares the target's blocks and memory). "
             "num_speculative_tokens: 1 to 16. Default: off."))
+    kv_events_config: str | dict[str, Any] | KVEventsConfig | None = field(
+        default=None, metadata=_help(
+            "KV cache events for cache-aware routers, as a JSON object (vLLM's keys): "
+            "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+            "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": "
+            "\"kv-events\"}' publishes BlockStored / BlockRemoved / AllBlocksCleared batches "
+            "on a ZeroMQ PUB socket (msgpack, vLLM's layout); also buffer_steps, hwm, "
+            "max_queue_size. With data parallelism rank r uses port + r. Default: off."))
 
     def create_config(self) -> EngineConfig:
         """The checked, frozen configuration (ConfigError naming the argument at fault)."""
@@ -386,6 +403,7 @@ class EngineArgs:
             structured_outputs=self.structured_outputs_config(),
             reasoning_parser=_reasoning_parser(self.reasoning_parser),
             speculative_config=_speculative_config(self.speculative_config),
+            kv_events_config=_kv_events_config(self.kv_events_config),
             parallel=_parallel_config(ParallelConfig(
                 self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
                 enable_expert_parallel=self.enable_expert_parallel), arch, hf_config),
@@ -412,6 +430,21 @@ class EngineArgs:
 def flag(name: str) -> str:
     """An engine argument as users write it: `max_model_len (--max-model-len)`."""
     return f"{name} (--{name.replace('_', '-')})"
+
+
+def json_object_arg(value: str | Mapping[str, Any], name: str, example: str
+                    ) -> Mapping[str, Any]:
+    """A JSON-object engine argument as given (a JSON string from the CLI, a dict from the
+    Python API) -> the mapping; ConfigError naming the argument `name` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{name} must be a JSON object such as {example}; {e}") from None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{name} must be a JSON object (a dict in Python) such as "
+                          f"{example}; got {value!r}")
+    return value
 
 
 def check_kv_capacity(usable_blocks: int, block_size: int, max_model_len: int,
@@ -456,6 +489,12 @@ def _speculative_config(value: object) -> SpeculativeConfig | None:
     from photon.spec.config import parse_speculative_config
 
     return parse_speculative_config(value)
+
+
+def _kv_events_config(value: object) -> KVEventsConfig | None:
+    from photon.kv_events.config import parse_kv_events_config
+
+    return parse_kv_events_config(value)
 
 
 def _parallel_config(parallel: ParallelConfig, architecture: str,

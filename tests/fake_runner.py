@@ -164,9 +164,11 @@ class Harness:
 
     def __init__(self, depth: int, max_num_seqs: int = 4, budget: int = 64,
                  num_blocks: int = 64, block_size: int = 4, prefix_caching: bool = True,
-                 script: dict[tuple[int, int], int] | None = None) -> None:
+                 script: dict[tuple[int, int], int] | None = None,
+                 kv_events: bool = False) -> None:
         self.log: list[Event] = []
-        self.kv = KVCacheManager(num_blocks, block_size, prefix_caching)
+        self.kv = KVCacheManager(num_blocks, block_size, prefix_caching,
+                                 enable_kv_cache_events=kv_events)
         self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget), self.kv)
         self.runner = FakeRunner(self.log, script, block_size)
         grammar = GrammarStep(SimpleNamespace(in_flight=False), max_num_seqs)  # no grammar row

@@ -126,6 +126,7 @@ class AsyncEngine:
             self._thread.join(timeout)
         if not self._thread.is_alive():
             self.engine.structured.shutdown()  # compile threads and the grammar worker
+            self.engine.kv_events.shutdown()  # the KV events publisher thread and sockets
 
     @property
     def healthy(self) -> bool:

@@ -44,7 +44,7 @@ class CoreGroup:
         clients: list[CoreClient] = []
         try:
             for rank in range(size):
-                clients.append(CoreClient.start(config, core_env(config, rank)))
+                clients.append(CoreClient.start(with_rank(config, rank), core_env(config, rank)))
             for client in clients:
                 client.wait_ready()
         except BaseException:
@@ -99,6 +99,12 @@ def visible_devices_for(visible: list[str], tp: int, dp: int, rank: int) -> str:
     return ",".join(visible[rank * tp:(rank + 1) * tp])
 
 
+def with_rank(config: EngineConfig, rank: int) -> EngineConfig:
+    """The config of data-parallel core `rank` (its KV events carry the rank, on port + rank)."""
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
+                                                                    data_parallel_rank=rank))
+
+
 def core_env(config: EngineConfig, rank: int) -> dict[str, str] | None:
     """The environment of data-parallel core `rank`: its own GPUs on CUDA (None: inherit)."""
     if config.device != "cuda":
@@ -128,6 +134,7 @@ def combine_stats(stats: list[EngineStats]) -> EngineStats:
         prefix_hits=sum(s.prefix_hits for s in stats),
         num_preemptions=sum(s.num_preemptions for s in stats),
         spec_decoding=_combine_spec(specs) if specs else None,
+        kv_events_dropped=sum(s.kv_events_dropped for s in stats),
     )
 
 

@@ -57,6 +57,7 @@ def _check_drained(core: EngineCore) -> None:
 UTILITIES: dict[str, Callable[[EngineCore], int | str | None]] = {
     "check_drained": _check_drained,
     "num_running": lambda core: core.stats().num_running,
+    "reset_prefix_cache": lambda core: int(core.reset_prefix_cache()),
 }
 
 

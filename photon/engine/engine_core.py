@@ -33,6 +33,7 @@ from photon.engine.pipeline import Pipeline
 from photon.engine.request import Request
 from photon.engine.request_checks import RequestChecks
 from photon.engine.scheduler import Scheduler
+from photon.kv_events.publisher import create_publisher
 from photon.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from photon.reasoning import ReasoningParser, get_reasoning_parser
 from photon.sampling_params import SamplingParams
@@ -56,6 +57,7 @@ class EngineStats:
     prefix_hits: int  # tokens found (cumulative)
     num_preemptions: int  # cumulative
     spec_decoding: SpecDecodingStats | None = None  # cumulative; None without speculation
+    kv_events_dropped: int = 0  # KV event batches dropped: the publisher's queue was full
 
 
 @dataclass
@@ -98,8 +100,10 @@ class EngineCore:
         except BaseException:
             self.shutdown()
             raise
+        events = config.kv_events_config
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                 config.cache.enable_prefix_caching)
+                                 config.cache.enable_prefix_caching,
+                                 enable_kv_cache_events=events is not None and events.publishes)
         spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler, self.kv,
                                    TokenTexts(self.tokenizer) if detokenize else None,
@@ -118,6 +122,11 @@ class EngineCore:
         self._aborted: list[str] = []  # reported by the next step()
         self._final_only: set[str] = set()
         self._delta: dict[str, _DeltaState] = {}
+        try:  # last: a bad endpoint fails here, with nothing else left to undo but the workers
+            self.kv_events = create_publisher(events, config.parallel.data_parallel_rank)
+        except BaseException:
+            self.shutdown()
+            raise
         if self.runner.device.type == "cuda":
             _freeze_startup_heap()
 
@@ -180,9 +189,25 @@ class EngineCore:
         return self.reasoning.end_token_id
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (idempotent; nothing to do with one rank)."""
+        """Stop the tensor-parallel workers and the KV events publisher (idempotent)."""
         if self.workers is not None:
             self.workers.shutdown()
+        publisher = getattr(self, "kv_events", None)  # absent if __init__ failed before it
+        if publisher is not None:
+            publisher.shutdown()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); refused (False) while a
+        request holds KV blocks. Publishes AllBlocksCleared at once."""
+        done = self.kv.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
+
+    def _publish_kv_events(self) -> None:
+        """Hand this step's KV cache events to the publisher (it only enqueues them)."""
+        events = self.kv.take_events()
+        if events:
+            self.kv_events.publish(events)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (all its sequences), or one sequence of an n > 1 request by its child
@@ -218,6 +243,7 @@ class EngineCore:
         if (sched.has_unfinished() and not sched.only_compiling) or not self.pipeline.idle \
                 or sched.has_releases:
             touched += self.pipeline.step()
+            self._publish_kv_events()
         parent_ids = dict.fromkeys([*self._aborted, *(r.parent_id for r in touched)])
         self._aborted.clear()
         outputs = []
@@ -311,7 +337,7 @@ class EngineCore:
         return EngineStats(len(sched.running), len(sched.waiting) + len(sched.grammar_waiting),
                            kv.usage,
                            kv.num_cached_free_blocks, kv.prefix_queries, kv.prefix_hits,
-                           sched.num_preemptions, self.spec_stats())
+                           sched.num_preemptions, self.spec_stats(), self.kv_events.dropped)
 
     def spec_stats(self) -> SpecDecodingStats | None:
         """Speculative decoding's counters over the committed steps (a snapshot)."""

@@ -11,6 +11,12 @@ Block lifecycle:
 
 Block 0 is a reserved null block: padding rows of a batch write their K/V there. It is never
 handed out, cached, or counted as free or used.
+
+With `enable_kv_cache_events`, every change of the prefix-cache hash table is recorded as a KV
+cache event (photon.kv_events.schema) until `take_events()`: BlockStored when blocks are
+published (a run of consecutive new blocks of one request per event), BlockRemoved when a cached
+block is evicted, AllBlocksCleared on reset_prefix_cache. Applied in order, the events rebuild
+exactly the set of hashes in the table.
 """
 
 from __future__ import annotations
@@ -19,17 +25,18 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+# hash_block is looked up in this module at each call, so tests can monkeypatch it here to force
+# collisions; its values are the same in every process (photon.engine.block_hash).
+from photon.engine.block_hash import ROOT_HASH, hash_block
+from photon.kv_events.schema import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+
 NULL_BLOCK = 0
-# Parent hash of the first block of every chain.
-ROOT_HASH = hash(("photon-kv-root",))
-
-
-def hash_block(parent_hash: int, tokens: tuple[int, ...]) -> int:
-    """Hash-chain step: h_i = hash((h_{i-1}, tokens of block i)).
-
-    Module-level so tests can monkeypatch it to force collisions.
-    """
-    return hash((parent_hash, tokens))
 
 
 @dataclass
@@ -55,7 +62,8 @@ class _CachedBlock:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 enable_kv_cache_events: bool = False):
         if num_blocks < 2:
             raise ValueError("num_blocks must be >= 2 (block 0 is the reserved null block)")
         if block_size < 1:
@@ -73,6 +81,16 @@ class KVCacheManager:
         self._num_cached_free = 0  # blocks with ref == 0 that are in _cached
         self._req_blocks: dict[Hashable, list[int]] = {}
         self._req_publish: dict[Hashable, _PublishState] = {}
+        # Events not yet taken; None: not recorded.
+        self._events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV cache events since the last call, in order (empty when not recorded)."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
 
     # ------------------------------------------------------------------ observability
     @property
@@ -197,6 +215,13 @@ class KVCacheManager:
         del self._hash_to_block[entry.block_hash]
         if self._ref[block] == 0:
             self._num_cached_free -= 1
+        events = self._events
+        if events is not None:
+            last = events[-1] if events else None
+            if isinstance(last, BlockRemoved):  # evictions of one step share an event
+                last.block_hashes.append(entry.block_hash)
+            else:
+                events.append(BlockRemoved([entry.block_hash], MEDIUM_GPU))
 
     # ------------------------------------------------------------------ publishing
     def cache_blocks(self, request_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> None:
@@ -209,16 +234,36 @@ class KVCacheManager:
         num_full = num_tokens // bs
         if num_full > len(blocks) or num_tokens > len(token_ids):
             raise ValueError("cache_blocks beyond the request's allocated blocks or known tokens")
+        run: BlockStored | None = None  # the event of this call's latest new blocks
         while state.num_blocks < num_full and not state.stopped:
             i = state.num_blocks
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = hash_block(state.last_hash, tokens)
+            new = h not in self._hash_to_block
             if not self._publish_one(blocks[i], h, state.last_hash, tokens):
                 # Collision: later hashes would chain off content that is not ours.
                 state.stopped = True
                 break
+            if self._events is not None:
+                run = self._record_stored(run, new, i, h, state.last_hash, tokens)
             state.num_blocks = i + 1
             state.last_hash = h
+
+    def _record_stored(self, run: BlockStored | None, new: bool, index: int, h: int,
+                       parent: int, tokens: tuple[int, ...]) -> BlockStored | None:
+        """Extend the current BlockStored with a newly cached block (or start one); a block
+        already cached elsewhere ends the run. Returns the run to extend next."""
+        if not new:
+            return None
+        if run is not None:
+            run.block_hashes.append(h)
+            run.token_ids.extend(tokens)
+            return run
+        run = BlockStored([h], None if index == 0 else parent, list(tokens), self.block_size,
+                          None, MEDIUM_GPU)
+        assert self._events is not None
+        self._events.append(run)
+        return run
 
     def _publish_one(self, block: int, h: int, parent: int, tokens: tuple[int, ...]) -> bool:
         """Map h -> block unless h is taken. False iff h is taken by different content."""
@@ -269,6 +314,8 @@ class KVCacheManager:
         self._hash_to_block.clear()
         self._cached.clear()
         self._num_cached_free = 0
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
         for rid in self._req_publish:  # requests holding zero blocks
             self._req_publish[rid] = _PublishState()
         return True

@@ -5,6 +5,7 @@ Everything is observed on the engine thread (`EngineObserver`), never scraped fr
   `kv_cache_usage_perc` (blocks held by live requests / usable blocks, `KVCacheManager.usage`; free
   blocks that still hold a cached prefix do not count), `prefix_cache_evictable_blocks` (those);
 - counters `prefix_cache_queries` / `prefix_cache_hits` (tokens), `num_preemptions`,
+  `kv_events_dropped` (KV event batches the publisher's full queue dropped, --kv-events-config),
   `prompt_tokens` / `generation_tokens`, `request_success{finished_reason}` (one per completion
   choice, as vLLM's V1 counts parallel-sampling children);
 - speculative decoding (with `--speculative-config`): counters `spec_decode_num_drafts` (rows
@@ -85,6 +86,9 @@ class ServerMetrics:
                                             "Prompt tokens looked up in the prefix cache.", m)
         self.prefix_hits = self._counter("prefix_cache_hits", "Prompt tokens found cached.", m)
         self.preemptions = self._counter("num_preemptions", "Preemptions (recompute).", m)
+        self.kv_events_dropped = self._counter(
+            "kv_events_dropped", "KV cache event batches dropped (the publisher's queue was "
+            "full).", m)
         self.prompt_tokens = self._counter("prompt_tokens",
                                            "Prompt tokens (counted at the first output token).", m)
         self.generation_tokens = self._counter("generation_tokens", "Generated tokens.", m)
@@ -129,10 +133,12 @@ class ServerMetrics:
             self.prefix_queries.inc(max(0, stats.prefix_queries - last.prefix_queries))
             self.prefix_hits.inc(max(0, stats.prefix_hits - last.prefix_hits))
             self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+            self.kv_events_dropped.inc(max(0, stats.kv_events_dropped - last.kv_events_dropped))
         else:
             self.prefix_queries.inc(stats.prefix_queries)
             self.prefix_hits.inc(stats.prefix_hits)
             self.preemptions.inc(stats.num_preemptions)
+            self.kv_events_dropped.inc(stats.kv_events_dropped)
         self._count_spec(stats.spec_decoding, last.spec_decoding if last is not None else None)
         self._last = stats
 

@@ -12,12 +12,11 @@ key and says what is allowed.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from photon.config import ConfigError
+from photon.config import ConfigError, json_object_arg
 
 FLAG = "speculative_config (--speculative-config)"
 MAX_SPECULATIVE_TOKENS = 16
@@ -140,12 +139,4 @@ def parse_speculative_config(value: object) -> SpeculativeConfig | None:
     API, a SpeculativeConfig, or None) -> a checked SpeculativeConfig, or None (no speculation)."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{FLAG} must be a JSON object such as {_EXAMPLE}; {e}") from None
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{FLAG} must be a JSON object (a dict in Python) such as "
-                          f"{_EXAMPLE}; got {value!r}")
-    return SpeculativeConfig.from_dict(value)
+    return SpeculativeConfig.from_dict(json_object_arg(value, FLAG, _EXAMPLE))
