@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 DEFAULT_KV_EVENTS_PORT = 5557  # vLLM's default KV events endpoint port
@@ -43,7 +43,6 @@ class Backend:
     outstanding: int = 0  # requests the router has in flight there
     running: float = 0.0  # the backend's own gauges, from its /metrics (0 until scraped)
     waiting: float = 0.0
-    failures: int = field(default=0)  # consecutive failed health checks
 
     @property
     def load(self) -> float:

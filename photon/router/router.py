@@ -177,7 +177,10 @@ class Router:
                                           and file_mtime(path) != self._file_mtime):
                 self._reload_requested = False
                 self.reload_backends()
-            await asyncio.gather(*(self.check(url) for url in self.pool.urls()))
+            results = await asyncio.gather(*(self.check(url) for url in self.pool.urls()),
+                                           return_exceptions=True)
+            for error in (r for r in results if isinstance(r, Exception)):
+                log.error("health check failed: %s: %s", type(error).__name__, error)
             await asyncio.sleep(self.config.health_interval_s)
 
     async def check(self, url: str) -> None:
