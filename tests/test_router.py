@@ -409,3 +409,36 @@ def test_cli_errors_are_one_line(argv: list[str], words: str,
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1
+
+
+def test_local_tokenizer_agrees_with_the_servers_tokenize() -> None:
+    """--tokenizer gives the ids the server itself derives (its /tokenize), chat included."""
+    import asyncio
+
+    from photon.model.tiny import resolve_model_path
+    from photon.router.prompts import BackendTokenizer, LocalTokenizer
+    from photon.tokenizer import Tokenizer
+    from tests.server_util import live_server
+
+    bodies = [
+        ("/v1/completions", {"prompt": "The same words, twice: the same words."}),
+        ("/v1/completions", {"prompt": "no specials", "add_special_tokens": False}),
+        ("/v1/chat/completions", {"messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "hi"},
+                                         {"type": "text", "text": "there"}]}]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "add_generation_prompt": False}),
+    ]
+    local = LocalTokenizer(Tokenizer.from_pretrained(resolve_model_path("photon-tiny-random")))
+
+    async def both(base: str) -> list[tuple[list[int] | None, list[int] | None]]:
+        async with httpx.AsyncClient() as client:
+            remote = BackendTokenizer(client, lambda: base, 30.0)
+            return [(await local.token_ids(p, b), await remote.token_ids(p, b))
+                    for p, b in bodies]
+
+    with live_server() as server:
+        pairs = asyncio.run(both(server.base_url))
+    for mine, theirs in pairs:
+        assert mine is not None and mine == theirs
