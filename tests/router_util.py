@@ -3,6 +3,7 @@ backends and a live router, all on loopback ports chosen at run time."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -116,6 +117,7 @@ class FakeBackend:
     healthy: bool = True
     running: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    streams_closed: int = 0  # streams that ended (finished, broken or abandoned)
 
 
 def sse(data: Any) -> bytes:
@@ -152,20 +154,27 @@ def fake_backend_app(fake: FakeBackend) -> FastAPI:
         fake.bodies.append(body)
         if not body.get("stream"):
             return {"backend": fake.name, "auth": raw.headers.get("authorization")}
-        return StreamingResponse(_chunks(fake.name, bool(body.get("break"))),
-                                 media_type="text/event-stream")
+        return StreamingResponse(_chunks(fake, body), media_type="text/event-stream")
 
     app.add_api_route("/v1/completions", complete, methods=["POST"])
     app.add_api_route("/v1/chat/completions", complete, methods=["POST"])
     return app
 
 
-async def _chunks(name: str, broken: bool) -> AsyncIterator[bytes]:
-    for i in range(3):
-        yield sse({"backend": name, "i": i})
-        if broken:
-            raise RuntimeError("the backend died mid-stream")
-    yield b"data: [DONE]\n\n"
+async def _chunks(fake: FakeBackend, body: dict[str, Any]) -> AsyncIterator[bytes]:
+    """3 chunks and [DONE]; `"break": true`: an error after the first; `"endless": true`: a
+    chunk every few milliseconds until the client goes away."""
+    try:
+        i = 0
+        while i < 3 or body.get("endless"):
+            yield sse({"backend": fake.name, "i": i})
+            if body.get("break"):
+                raise RuntimeError("the backend died mid-stream")
+            i += 1
+            await asyncio.sleep(0.005 if body.get("endless") else 0)
+        yield b"data: [DONE]\n\n"
+    finally:
+        fake.streams_closed += 1
 
 
 @contextmanager

@@ -314,6 +314,18 @@ def test_a_stream_the_backend_breaks_ends_with_an_error_event() -> None:
     assert body.endswith("data: [DONE]\n\n")
 
 
+def test_a_client_that_goes_away_mid_stream_ends_the_backends_stream() -> None:
+    with ru.fake_backends("A") as backends:
+        fake, url = backends[0][0], backends[0][1].base_url
+        with ru.live_router(_config([url])) as (router, base):
+            with httpx.stream("POST", base + "/v1/completions", timeout=30,
+                              json={"prompt": "x", "stream": True, "endless": True}) as resp:
+                first = next(resp.iter_raw())
+            wait_until(lambda: fake.streams_closed == 1, "the backend sees the disconnect")
+            wait_until(lambda: router.pool.get(url).outstanding == 0, "released")
+    assert first.startswith(b'data: {"backend": "A", "i": 0}')
+
+
 def test_failure_before_the_first_byte_is_retried_on_another_backend() -> None:
     with ru.dropping_server() as dead, ru.fake_backends("B") as backends:
         urls = [dead, backends[0][1].base_url]

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
@@ -100,9 +101,12 @@ async def _attempt(router: Router, url: str, path: str, raw: bytes, headers: Any
 
 
 async def _release(backend: Backend, resp: httpx.Response | None) -> None:
+    """Done with `backend`: close the connection even while the client's task is being
+    cancelled (it disconnected), so that the backend sees the disconnect and aborts."""
     backend.outstanding -= 1
     if resp is not None:
-        await resp.aclose()
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
 
 
 class _Unavailable(Exception):
