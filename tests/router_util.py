@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from photon.router.app import build_router_app
 from photon.router.router import Router, RouterConfig, RouterParts
-from tests.server_util import LiveServer, serve_app
+from photon.router.subscriber import EventSubscriber
+from tests.server_util import LiveServer, serve_app, wait_until
 
 
 # ---- vLLM's KV event layout, declared as vLLM declares it (vllm/distributed/kv_events.py) -------
@@ -108,6 +109,26 @@ def serving_thread(serve_one: Callable[[], None]) -> Iterator[None]:
     finally:
         stop.set()
         thread.join(5)
+
+
+class Publisher:
+    """A PUB socket on a loopback port, with vLLM's (topic, seq, payload) frames."""
+
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.seq = 0
+
+    def publish(self, payload: bytes) -> bool:
+        self.sock.send_multipart([b"kv-events", self.seq.to_bytes(8, "big"), payload])
+        self.seq += 1
+        return False
+
+    def until_heard(self, sub: EventSubscriber) -> None:
+        """A SUB socket misses what is published before it has connected: publish empty
+        batches until one arrives."""
+        wait_until(lambda: sub.stats.batches > 0 or self.publish(encode([])), "subscribed")
 
 
 # ---- fake backends ---------------------------------------------------------------------------
