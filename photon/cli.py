@@ -1,4 +1,4 @@
-"""`photon` command line: generate, serve, bench (more subcommands register themselves in SUBCOMMANDS).
+"""`photon` command line: generate, serve, bench, router (more subcommands register themselves in SUBCOMMANDS).
 
 Every usage error is one line, `photon SUBCOMMAND: error: ...`, with exit code 2; `--help` lists each
 option's default and the allowed values of choice options.
@@ -132,7 +132,13 @@ def _add_serve(sub: Any) -> None:
     add_serve(sub)
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_serve, _add_bench]
+def _add_router(sub: Any) -> None:
+    from photon.router.cli import add_router
+
+    add_router(sub)
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_serve, _add_bench, _add_router]
 
 
 def build_parser() -> CLIParser:
