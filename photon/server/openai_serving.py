@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,6 +34,7 @@ from photon.server.structured import precompile, structured_params
 from photon.server.tokenization import PromptTokenizer
 from photon.server.tools import template_messages
 
+T = TypeVar("T")
 _MIN_LOGPROB = -9999.0  # -inf is not JSON
 # Chat-template variables set from request fields, not from chat_template_kwargs.
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "chat_template",
@@ -285,20 +286,26 @@ async def _wait_disconnect(raw: Request) -> None:
         await asyncio.sleep(0.05)  # an unexpected extra body message: do not spin
 
 
-async def _unless_disconnected(raw: Request, run: Run,
-                               work: Awaitable[dict[str, Any]]) -> Response:
-    """Await the full response, aborting the engine requests if the client goes away."""
+async def unless_disconnected(raw: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None if the client went away first (`work` is then cancelled)."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_wait_disconnect(raw))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return JSONResponse(task.result())
-        return Response(status_code=499)  # nobody is listening
+        return task.result() if task.done() else None
     finally:
         for t in (task, watch):
             if not t.done():
                 t.cancel()
+
+
+async def _unless_disconnected(raw: Request, run: Run,
+                               work: Awaitable[dict[str, Any]]) -> Response:
+    """Await the full response, aborting the engine requests if the client goes away."""
+    try:
+        body = await unless_disconnected(raw, work)
+        return Response(status_code=499) if body is None else JSONResponse(body)  # 499: gone
+    finally:
         run.abort_unfinished()
 
 
