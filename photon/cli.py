@@ -1,4 +1,5 @@
-"""`photon` command line: generate, serve, bench, router (more subcommands register themselves in SUBCOMMANDS).
+"""`photon` command line: generate, serve, bench, router, proxy (more subcommands register themselves
+in SUBCOMMANDS).
 
 Every usage error is one line, `photon SUBCOMMAND: error: ...`, with exit code 2; `--help` lists each
 option's default and the allowed values of choice options.
@@ -138,7 +139,14 @@ def _add_router(sub: Any) -> None:
     add_router(sub)
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_serve, _add_bench, _add_router]
+def _add_proxy(sub: Any) -> None:
+    from photon.proxy.launch import add_proxy
+
+    add_proxy(sub)
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_serve, _add_bench, _add_router,
+                                             _add_proxy]
 
 
 def build_parser() -> CLIParser:

@@ -121,6 +121,13 @@ def live_server(engine_args: dict[str, Any] | None = None, send_buffer: int | No
 @contextmanager
 def serve_app(app: FastAPI, send_buffer: int | None = None) -> Iterator[LiveServer]:
     """Run `app` with uvicorn on a loopback port; the caller owns (and shuts down) its engine."""
+    with serve_asgi(app, send_buffer) as base_url:
+        yield LiveServer(app, base_url, app.state.engine, app.state.serving.admission)
+
+
+@contextmanager
+def serve_asgi(app: Any, send_buffer: int | None = None) -> Iterator[str]:
+    """Run any ASGI app with uvicorn on a loopback port chosen now; yields its base URL."""
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                             timeout_graceful_shutdown=2)
     srv = uvicorn.Server(config)
@@ -136,8 +143,7 @@ def serve_app(app: FastAPI, send_buffer: int | None = None) -> Iterator[LiveServ
         if not srv.started:
             raise RuntimeError("uvicorn did not start")
         port = srv.servers[0].sockets[0].getsockname()[1]
-        yield LiveServer(app, f"http://127.0.0.1:{port}", app.state.engine,
-                         app.state.serving.admission)
+        yield f"http://127.0.0.1:{port}"
     finally:
         srv.should_exit = True
         thread.join(10)

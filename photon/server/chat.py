@@ -22,6 +22,7 @@ from photon.server.openai_serving import (
     token_logprob,
     top_entries,
     usage,
+    with_kv_transfer_params,
 )
 from photon.server.protocol import ChatCompletionRequest, sse_event
 from photon.server.structured import precompile
@@ -58,17 +59,18 @@ class ChatHandler:
         text = await s.chat_prompt(req, tools.template_tools)
         ids = await s.encode(text, "messages", add_special_tokens=False)
         s.check_prompt(ids, params, "messages")
-        run = await s.start([ids], params, "chatcmpl")
-        ctx = _ChatCtx(req, run.id, s, len(ids), tools)
+        run = await s.start([ids], params, "chatcmpl", req.kv_transfer_params)
+        ctx = _ChatCtx(req, run, s, len(ids), tools)
         return await s.respond(raw, run, req.stream, ctx.events, ctx.collect)
 
 
 class _ChatCtx:
-    def __init__(self, req: ChatCompletionRequest, rid: str, serving: Serving,
+    def __init__(self, req: ChatCompletionRequest, run: Run, serving: Serving,
                  num_prompt_tokens: int, tools: ToolPlan) -> None:
         self.req = req
         self.tools = tools
-        self.id = rid
+        self.run = run
+        self.id = run.id
         self.serving = serving
         self.created = int(time.time())
         self.model = serving.config.served_model_name
@@ -98,7 +100,7 @@ class _ChatCtx:
                                 "model": self.model, "choices": choices}
         if final_usage is not None or not self.req.stream:
             body["usage"] = final_usage
-        return body
+        return with_kv_transfer_params(body, self.run)
 
     async def collect(self, run: Run) -> dict[str, Any]:
         states: dict[int, ChoiceState] = {}

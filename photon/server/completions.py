@@ -28,6 +28,7 @@ from photon.server.openai_serving import (
     token_logprob,
     top_entries,
     usage,
+    with_kv_transfer_params,
 )
 from photon.server.protocol import CompletionRequest, sse_event
 
@@ -52,8 +53,8 @@ class CompletionHandler:
             s.check_prompt(ids, params, "prompt")
         echo = [_Echo(p if isinstance(p, str) else s.core.tokenizer.decode(ids), ids)
                 for p, ids in zip(sources, prompts)] if req.echo else None
-        run = await s.start(prompts, params, "cmpl")
-        ctx = _Ctx(req, run.id, s, prompts, echo, echo_only)
+        run = await s.start(prompts, params, "cmpl", req.kv_transfer_params)
+        ctx = _Ctx(req, run, s, prompts, echo, echo_only)
         return await s.respond(raw, run, req.stream, ctx.events, ctx.collect)
 
 
@@ -85,10 +86,11 @@ class _Part:
 
 
 class _Ctx:
-    def __init__(self, req: CompletionRequest, rid: str, serving: Serving,
+    def __init__(self, req: CompletionRequest, run: Run, serving: Serving,
                  prompts: list[list[int]], echo: list[_Echo] | None, echo_only: bool) -> None:
         self.req = req
-        self.id = rid
+        self.run = run
+        self.id = run.id
         self.serving = serving
         self.created = int(time.time())
         self.model = serving.config.served_model_name
@@ -150,7 +152,7 @@ class _Ctx:
                                 "created": self.created, "model": self.model, "choices": choices}
         if final_usage is not None or not self.req.stream:
             body["usage"] = final_usage
-        return body
+        return with_kv_transfer_params(body, self.run)
 
     def _completion_tokens(self, count: int) -> int:
         return 0 if self.echo_only else count

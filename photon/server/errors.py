@@ -18,7 +18,8 @@ from photon.engine.async_engine import EngineDeadError, EngineUnavailableError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          500: "internal_server_error", 503: "service_unavailable"}
+          500: "internal_server_error", 502: "bad_gateway", 503: "service_unavailable",
+          504: "gateway_timeout"}
 
 
 class APIError(Exception):

@@ -8,11 +8,12 @@ whatever is unfinished, so a disconnected client's KV blocks are freed within on
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,6 +34,7 @@ from photon.server.structured import precompile, structured_params
 from photon.server.tokenization import PromptTokenizer
 from photon.server.tools import template_messages
 
+T = TypeVar("T")
 _MIN_LOGPROB = -9999.0  # -inf is not JSON
 # Chat-template variables set from request fields, not from chat_template_kwargs.
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "chat_template",
@@ -70,6 +72,9 @@ class Run:
         self.unfinished = set(request_ids)
         self.ticket = ticket
         self.n = n
+        # What the engine's KV connector returned for the decode side (prefill/decode
+        # disaggregation); set once an output carries it.
+        self.kv_transfer_params: dict[str, Any] | None = None
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         while self.unfinished:
@@ -81,6 +86,9 @@ class Run:
             if item.finished and item.request_id in self.unfinished:
                 self.unfinished.discard(item.request_id)
                 self.ticket.release(self.n)
+            params = getattr(item, "kv_transfer_params", None)
+            if params is not None:
+                self.kv_transfer_params = params
             yield tag, item
 
     def abort_unfinished(self) -> None:
@@ -114,6 +122,7 @@ class Serving:
         self.admission = Admission(self.core.config.scheduler.max_num_seqs,
                                    config.max_queued_requests, config.shared_admission)
         self.text = PromptTokenizer(self.core.tokenizer, config.max_model_len)
+        self.kv_transfer = "kv_transfer_params" in inspect.signature(engine.add_request).parameters
 
     # ---- checks -------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -215,26 +224,43 @@ class Serving:
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault
             raise bad_request(f"could not apply the chat template: {e}", "messages") from None
 
+    def check_kv_transfer(self, kv_transfer_params: dict[str, Any] | None, num_prompts: int,
+                          n: int) -> None:
+        """kv_transfer_params moves one sequence's KV cache: one prompt, n=1, and an engine
+        that takes them."""
+        if kv_transfer_params is None:
+            return
+        if not self.kv_transfer:
+            raise bad_request("`kv_transfer_params` is not supported by this engine",
+                              "kv_transfer_params")
+        if num_prompts != 1 or n != 1:
+            raise bad_request(f"kv_transfer_params applies to one prompt with n=1 (got "
+                              f"{num_prompts} prompts, n={n})", "kv_transfer_params")
+
     # ---- running ------------------------------------------------------------------------------
-    async def start(self, prompts: list[list[int]], params: SamplingParams, prefix: str) -> Run:
+    async def start(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
+                    kv_transfer_params: dict[str, Any] | None = None) -> Run:
+        self.check_kv_transfer(kv_transfer_params, len(prompts), params.n)
         # No await before admit(): concurrent requests are counted in the order they get here.
         ticket = self.admission.admit(len(prompts) * params.n)
         try:
             await precompile(self.core, params.structured_outputs)
-            return await self._add(prompts, params, prefix, ticket)
+            return await self._add(prompts, params, prefix, ticket, kv_transfer_params)
         except BaseException:
             ticket.release_all()
             raise
 
     async def _add(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
-                   ticket: Ticket) -> Run:
+                   ticket: Ticket, kv_transfer_params: dict[str, Any] | None) -> Run:
         sink = RequestSink()
         base = f"{prefix}-{uuid.uuid4().hex}"
         ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
         run = Run(self.engine, sink, base, ids, ticket, params.n)
         now = time.monotonic()
+        # Only given when set: an engine without a KV connector need not take the argument.
+        extra = {} if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
         results = await asyncio.gather(*(
-            self.engine.add_request(p, params, rid, sink, tag=i, arrival_time=now)
+            self.engine.add_request(p, params, rid, sink, tag=i, arrival_time=now, **extra)
             for i, (p, rid) in enumerate(zip(prompts, ids))), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -260,20 +286,26 @@ async def _wait_disconnect(raw: Request) -> None:
         await asyncio.sleep(0.05)  # an unexpected extra body message: do not spin
 
 
-async def _unless_disconnected(raw: Request, run: Run,
-                               work: Awaitable[dict[str, Any]]) -> Response:
-    """Await the full response, aborting the engine requests if the client goes away."""
+async def unless_disconnected(raw: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None if the client went away first (`work` is then cancelled)."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_wait_disconnect(raw))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return JSONResponse(task.result())
-        return Response(status_code=499)  # nobody is listening
+        return task.result() if task.done() else None
     finally:
         for t in (task, watch):
             if not t.done():
                 t.cancel()
+
+
+async def _unless_disconnected(raw: Request, run: Run,
+                               work: Awaitable[dict[str, Any]]) -> Response:
+    """Await the full response, aborting the engine requests if the client goes away."""
+    try:
+        body = await unless_disconnected(raw, work)
+        return Response(status_code=499) if body is None else JSONResponse(body)  # 499: gone
+    finally:
         run.abort_unfinished()
 
 
@@ -327,6 +359,14 @@ def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, float]]:
 def token_logprob(entry: dict[int, Logprob], token_id: int) -> float:
     lp = entry.get(token_id)
     return lp.logprob if lp is not None else float("-inf")
+
+
+def with_kv_transfer_params(body: dict[str, Any], run: Run) -> dict[str, Any]:
+    """`body` with the run's kv_transfer_params (vLLM's response field), once the engine returned
+    them: in a full response, and in a stream from the chunk of the final output on."""
+    if run.kv_transfer_params is not None:
+        body["kv_transfer_params"] = run.kv_transfer_params
+    return body
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

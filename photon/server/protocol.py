@@ -60,7 +60,7 @@ _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
     "allowed_token_ids": (), "bad_words": ([],), "priority": (0,), "request_id": (),
     "logits_processors": (), "return_tokens_as_token_ids": (False,),
-    "return_token_ids": (False,), "cache_salt": (), "kv_transfer_params": (),
+    "return_token_ids": (False,), "cache_salt": (),
     "vllm_xargs": (), "prompt_embeds": (), "guided_decoding_backend": (),
     "guided_whitespace_pattern": (), "structural_tag": (), "mm_processor_kwargs": (),
     "media_io_kwargs": (),
@@ -130,6 +130,10 @@ class _SamplingFields(_Request):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
+    # vLLM's prefill/decode disaggregation: passed to the engine's KV connector as given (a
+    # prefill request asks {"do_remote_decode": true}; a decode request carries what the prefill
+    # response returned). One prompt and n=1 only.
+    kv_transfer_params: JsonObject | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -280,6 +284,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # from the engine's KV connector
 
 
 class TopLogprob(BaseModel):
@@ -330,6 +335,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # from the engine's KV connector
 
 
 class ModelCard(BaseModel):
