@@ -19,7 +19,7 @@ from photon.router.events import (
     EventDecodeError,
     decode_event_batch,
 )
-from photon.router.hashing import chain_block_hashes
+from photon.engine.block_hash import block_hashes as chain_block_hashes
 from photon.router.index import PrefixIndex
 from photon.router.policies import Candidate, PolicyConfig, make_policy
 from photon.router.subscriber import (
@@ -99,8 +99,8 @@ def test_chain_hash_is_stable_and_prefix_closed() -> None:
     assert chain_block_hashes(tokens[:16], 16) == hashes[:1]
     assert chain_block_hashes([0, *tokens[1:]], 16)[0] == hashes[0]
     assert chain_block_hashes([1, *tokens[1:]], 16)[0] != hashes[0]
-    assert chain_block_hashes(tokens, 16, extra=7) != hashes
-    code = ("from photon.router.hashing import chain_block_hashes; "
+    assert chain_block_hashes(tokens, 16, extra=(7,)) != hashes
+    code = ("from photon.engine.block_hash import block_hashes as chain_block_hashes; "
             "print(chain_block_hashes(list(range(40)), 16))")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            timeout=60, env={**os.environ, "PYTHONHASHSEED": "123"}, check=True)

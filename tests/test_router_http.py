@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from photon.router.hashing import chain_block_hashes
+from photon.engine.block_hash import block_hashes as chain_block_hashes
 from photon.router.router import RouterConfig, RouterParts
 from tests import router_util as ru
 from tests.server_util import serve_app, wait_until
