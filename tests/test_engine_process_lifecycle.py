@@ -22,9 +22,10 @@ from photon import SamplingParams
 from photon.config import EngineArgs
 from photon.engine.async_engine import EngineUnavailableError
 from photon.engine.async_llm import AsyncLLM
-from photon.engine.core_client import CoreClient, CoreStartError
+from photon.engine.core_client import CoreClient, CoreGoneError, CoreStartError
 from photon.engine.core_proc import FAULT_STEP_ENV, client_addresses
 from photon.engine.engine_core import EngineCore
+from photon.engine.messages import Abort
 from photon.server.app import build_app
 from photon.server.openai_serving import ServerConfig
 from tests.server_util import TINY_ARGS, serve_app
@@ -103,6 +104,31 @@ def test_closing_a_client_whose_core_is_gone_does_not_block(tmp_path: Path) -> N
         client.proc.kill()
     assert finished, "close() blocked sending Shutdown to a core with no connected socket"
     assert client.proc.returncode is not None  # terminated and reaped
+
+
+def test_a_send_to_a_core_that_exited_raises_instead_of_blocking(tmp_path: Path) -> None:
+    """No peer is connected and the core has exited: a request (and a utility call) must fail
+    with the core's exit, not wait forever on the PUSH socket; an abort is dropped."""
+    client = CoreClient(client_addresses(str(tmp_path), 1)[0])
+    client.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    client.proc.wait(30)
+    outcome: list[BaseException | None] = []
+
+    def send() -> None:
+        try:
+            client.send(Abort(["x"]))
+        except BaseException as e:  # noqa: BLE001 - the outcome is the assertion
+            outcome.append(e)
+        else:
+            outcome.append(None)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    sender.join(30)
+    blocked = sender.is_alive()
+    client.close(timeout_s=0.1)
+    assert not blocked, "send() blocked on a core that exited"
+    assert isinstance(outcome[0], CoreGoneError)
 
 
 def test_shutdown_leaves_no_process() -> None:

@@ -38,13 +38,14 @@ from photon.engine.async_engine import (
     stopped_message,
     stream_request,
 )
-from photon.engine.core_client import CoreClient
+from photon.engine.core_client import CoreClient, CoreGoneError
 from photon.engine.core_group import CoreGroup, combine_stats
 from photon.engine.engine_core import EngineStats
 from photon.engine.messages import (
     Abort,
     AddRequest,
     CoreError,
+    CoreInput,
     StepOutputs,
     Utility,
     UtilityResult,
@@ -81,6 +82,16 @@ class Frontend:
 
     def check_fits(self, num_prompt: int, max_tokens: int | None) -> None:
         self.checks.check_fits(num_prompt, max_tokens)
+
+
+def _send(client: CoreClient, msg: CoreInput, required: bool = True) -> None:
+    """Send to a core. If it is gone, a required message (a request, a utility call) raises
+    EngineDeadError; an abort is dropped (the reader fails the core's requests anyway)."""
+    try:
+        client.send(msg)
+    except CoreGoneError:
+        if required:
+            raise EngineDeadError(exit_cause(client.exitcode)) from None
 
 
 def exit_cause(code: int | None) -> str:
@@ -163,7 +174,7 @@ class AsyncLLM:
         for client in self.cores.clients:
             ids = [core_id for owner, core_id in owned if owner is client]
             if ids and client.alive:
-                client.send(Abort(ids))
+                _send(client, Abort(ids), required=False)
 
     @property
     def healthy(self) -> bool:
@@ -187,7 +198,7 @@ class AsyncLLM:
             self._live[core_id] = entry
             self._processor.add(core_id, request_id, prompt_ids, params, arrival)
             client = self.cores.assign(core_id)  # n > 1: the core runs every child
-        client.send(AddRequest(core_id, prompt_ids, params, arrival))
+        _send(client, AddRequest(core_id, prompt_ids, params, arrival))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; unknown or finished ids are ignored)."""
@@ -195,7 +206,7 @@ class AsyncLLM:
             core_id = self._core_ids.get(request_id)
             client = None if core_id is None else self.cores.owner(core_id)
         if client is not None and client.alive:
-            client.send(Abort([core_id]))
+            _send(client, Abort([core_id]), required=False)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  request_id: str) -> AsyncIterator[RequestOutput]:
@@ -220,7 +231,7 @@ class AsyncLLM:
             self._check_alive()
             call_id = next(self._call_ids)
             self._calls[call_id] = fut
-        client.send(Utility(call_id, method))
+        _send(client, Utility(call_id, method))
         return fut
 
     def _check_alive(self) -> None:
@@ -288,7 +299,7 @@ class AsyncLLM:
                 self._core_ids.pop(entry.request_id, None)
                 self.cores.release(delta.request_id)
         if stopped:
-            client.send(Abort(stopped))
+            _send(client, Abort(stopped), required=False)
         if out is not None:
             self.observer.on_output(entry, out, now)
             ready.append((entry.sink, (entry.tag, out)))

@@ -71,6 +71,14 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+# How long a send waits for the core's connection between two checks that it is alive.
+_SEND_POLL_MS = 100
+
+
+class CoreGoneError(ConnectionError):
+    """A message could not be sent: the core process exited."""
+
+
 class CoreClient:
     def __init__(self, addresses: ClientAddresses, index: int = 0,
                  directory: str | None = None) -> None:
@@ -150,13 +158,22 @@ class CoreClient:
         return self.proc.poll() if self.proc is not None else None
 
     def send(self, msg: CoreInput, block: bool = True) -> None:
-        """block=False raises zmq.Again instead of waiting when no core is connected (a PUSH
-        socket without a peer blocks: a core that exited but is not yet reaped has none)."""
+        """Queue `msg` for the core. A PUSH socket without a connected peer cannot take a
+        message: a core that is starting or busy reconnecting is waited for, one that exited
+        (even if not yet reaped) raises CoreGoneError instead of blocking forever; block=False
+        raises it at once."""
         if hasattr(msg, "client"):
             msg.client = self.index
         data = self._encoder.encode(msg)
         with self._send_lock:
-            self._inputs.send(data, flags=0 if block else zmq.NOBLOCK, copy=False)
+            while True:
+                try:
+                    self._inputs.send(data, flags=zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:
+                    if not block or not self.alive:
+                        raise CoreGoneError("the engine core process is gone") from None
+                self._inputs.poll(_SEND_POLL_MS, zmq.POLLOUT)
 
     def recv(self, timeout_ms: int) -> CoreOutput | None:
         """The next step's outputs (or the core's error), or None after `timeout_ms` without
@@ -180,7 +197,7 @@ class CoreClient:
         if self.alive:
             try:  # a courtesy: terminate and kill follow if the core does not exit
                 self.send(Shutdown(), block=False)
-            except zmq.ZMQError:
+            except (zmq.ZMQError, CoreGoneError):
                 pass
         for stop, wait_s in ((None, timeout_s), (self.proc.terminate, 5.0),
                              (self.proc.kill, 5.0)):
