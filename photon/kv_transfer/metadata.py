@@ -32,10 +32,11 @@ class SaveSpec:
 class KVConnectorMetadata:
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    cancels: list[int] = field(default_factory=list)  # keys whose load stops (aborted)
 
     @property
     def empty(self) -> bool:
-        return not self.loads and not self.saves
+        return not self.loads and not self.saves and not self.cancels
 
 
 @dataclass

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -58,16 +58,19 @@ def write_segment(path: str, layers: list[torch.Tensor], publish: bool = True) -
     return nbytes
 
 
-def wait_for_segment(path: str, engine_id: str, deadline: float, stop: threading.Event) -> None:
+def wait_for_segment(path: str, engine_id: str, deadline: float,
+                     stopped: Callable[[], bool]) -> None:
     """Until the file exists; TimeoutError past `deadline` (time.monotonic()), ConnectionError
-    once the producer's process is gone or the engine stops."""
+    once the producer's process is gone, InterruptedError once `stopped()` (an abort, or the
+    engine shuts down)."""
     while not os.path.exists(path):
+        if stopped():
+            raise InterruptedError("the load was stopped")
         if not peer_alive(engine_id):
             raise ConnectionError(f"the prefill instance {engine_id} is gone")
         if time.monotonic() > deadline:
             raise TimeoutError("the KV cache did not arrive in time")
-        if stop.wait(0.002):
-            raise ConnectionError("the engine is shutting down")
+        time.sleep(0.002)  # a poll interval on the transfer thread, never the engine loop
 
 
 def read_blocks(path: str, caches: list[torch.Tensor], first: int, block_ids: list[int]) -> int:

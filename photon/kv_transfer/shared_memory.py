@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from photon.engine.request import RequestStatus
 from photon.kv_transfer import segment
 from photon.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from photon.kv_transfer.metadata import KVConnectorMetadata, KVTransferStats, LoadSpec, SaveSpec
@@ -58,6 +59,7 @@ class SharedMemoryConnector(KVConnectorBase):
         self.extra = config.extra
         self._loads_planned: list[LoadSpec] = []
         self._saves_planned: list[SaveSpec] = []
+        self._cancels_planned: list[int] = []
         # worker side
         self._dir = segment.segment_dir()
         self._caches: list[torch.Tensor] = []
@@ -68,6 +70,7 @@ class SharedMemoryConnector(KVConnectorBase):
         self._loads: dict[int, _Load] = {}
         self._gathered: list[_Gathered] = []
         self._load_errors: set[int] = set()
+        self._cancelled: set[int] = set()  # keys of loads to stop (read by transfer threads)
         self._lock = threading.Lock()  # guards _stats (transfer threads add to it)
         self._stats = KVTransferStats(role=config.kv_role)
 
@@ -91,8 +94,9 @@ class SharedMemoryConnector(KVConnectorBase):
                                             list(block_ids[first:end])))
 
     def build_connector_meta(self) -> KVConnectorMetadata:
-        meta = KVConnectorMetadata(self._loads_planned, self._saves_planned)
-        self._loads_planned, self._saves_planned = [], []
+        meta = KVConnectorMetadata(self._loads_planned, self._saves_planned,
+                                   self._cancels_planned)
+        self._loads_planned, self._saves_planned, self._cancels_planned = [], [], []
         return meta
 
     def request_finished(self, request: Request,
@@ -104,6 +108,9 @@ class SharedMemoryConnector(KVConnectorBase):
             # never loaded: release the producer's transfer (an empty load removes its file)
             self._loads_planned.append(LoadSpec(request.key, params.remote_engine_id,
                                                 params.remote_request_id, 0, []))
+            return False, None
+        if params.do_remote_prefill and request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            self._cancels_planned.append(request.key)  # aborted while loading: stop waiting
             return False, None
         if not (self.config.is_producer and params.do_remote_decode and block_ids):
             return False, None
@@ -124,7 +131,10 @@ class SharedMemoryConnector(KVConnectorBase):
 
     def start_load_kv(self) -> None:
         meta = self._metadata
-        for spec in meta.loads if meta is not None else ():
+        if meta is None:
+            return
+        self._cancelled.update(meta.cancels)
+        for spec in meta.loads:
             fut = self._pool.submit(self._load, spec, time.monotonic() + self.extra.timeout_s)
             self._loads[spec.key] = _Load(spec.block_ids, fut)
 
@@ -134,7 +144,8 @@ class SharedMemoryConnector(KVConnectorBase):
             if not spec.block_ids:
                 return 0
             t0 = time.monotonic()
-            segment.wait_for_segment(path, spec.remote_engine_id, deadline, self._stop)
+            segment.wait_for_segment(path, spec.remote_engine_id, deadline,
+                                     lambda: self._stop.is_set() or spec.key in self._cancelled)
             nbytes = segment.read_blocks(path, self._caches, spec.first_block, spec.block_ids)
             if self._caches[0].is_cuda:
                 torch.cuda.current_stream(self._caches[0].device).synchronize()
@@ -196,6 +207,7 @@ class SharedMemoryConnector(KVConnectorBase):
         recving = {key for key, load in self._loads.items() if load.future.done()}
         for key in recving:
             load = self._loads.pop(key)
+            self._cancelled.discard(key)
             if load.future.exception() is not None:
                 self._load_errors.update(load.block_ids)
                 self._count(num_load_failures=1)
