@@ -255,3 +255,4 @@ def test_dead_producer_never_hangs_the_request(rendezvous: str) -> None:
     decode.engine.assert_drained()
     for path in glob.glob(os.path.join(segment_dir(), f"photon-kv-{rendezvous}-*.tmp")):
         os.unlink(path)  # the dead producer's unpublished file
+

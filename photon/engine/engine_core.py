@@ -260,6 +260,10 @@ class EngineCore:
         remote = self.scheduler.remote
         return remote is not None and remote.busy
 
+    def has_work(self) -> bool:
+        """What an engine loop steps for: unfinished requests, or transfers to free."""
+        return self.has_unfinished() or self.has_pending_transfers()
+
     def _poll_kv_transfers(self) -> list[Request]:
         """The connector's finished transfers, applied; the requests failed by a load. With
         nothing to run, wait briefly for a transfer instead of spinning."""
