@@ -21,6 +21,7 @@ from photon.structured.params import GrammarLimits
 if TYPE_CHECKING:
     from photon.generation_config import GenerationDefaults
     from photon.kv_events.config import KVEventsConfig
+    from photon.kv_transfer.config import KVTransferConfig
     from photon.spec.config import SpeculativeConfig
 
 _DTYPES = {
@@ -222,6 +223,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_events_config: KVEventsConfig | None = None  # None: no KV cache events
+    kv_transfer_config: KVTransferConfig | None = None  # None: no prefill/decode disaggregation
 
     @property
     def pipeline_depth(self) -> int:
@@ -348,6 +350,14 @@ class EngineArgs:
             "\"kv-events\"}' publishes BlockStored / BlockRemoved / AllBlocksCleared batches "
             "on a ZeroMQ PUB socket (msgpack, vLLM's layout); also buffer_steps, hwm, "
             "max_queue_size. With data parallelism rank r uses port + r. Default: off."))
+    kv_transfer_config: str | dict[str, Any] | KVTransferConfig | None = field(
+        default=None, metadata=_help(
+            "Prefill/decode disaggregation, as a JSON object (a dict in Python): "
+            "'{\"kv_connector\": \"SharedMemoryConnector\", \"kv_role\": \"kv_producer\"}' "
+            "on the prefill instance, kv_role kv_consumer on the decode instance (kv_both: "
+            "either). kv_connector_extra_config: timeout_s (default 30: a transfer not done by "
+            "then falls back), on_failure (recompute: the decode instance computes the prompt "
+            "itself, the default; fail: the request fails). Default: off."))
 
     def create_config(self) -> EngineConfig:
         """The checked, frozen configuration (ConfigError naming the argument at fault)."""
@@ -404,6 +414,8 @@ class EngineArgs:
             reasoning_parser=_reasoning_parser(self.reasoning_parser),
             speculative_config=_speculative_config(self.speculative_config),
             kv_events_config=_kv_events_config(self.kv_events_config),
+            kv_transfer_config=_kv_transfer_config(self.kv_transfer_config,
+                                                   self.tensor_parallel_size),
             parallel=_parallel_config(ParallelConfig(
                 self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
                 enable_expert_parallel=self.enable_expert_parallel), arch, hf_config),
@@ -495,6 +507,13 @@ def _kv_events_config(value: object) -> KVEventsConfig | None:
     from photon.kv_events.config import parse_kv_events_config
 
     return parse_kv_events_config(value)
+def _kv_transfer_config(value: object, tensor_parallel_size: int) -> KVTransferConfig | None:
+    from photon.kv_transfer.config import FLAG, parse_kv_transfer_config
+
+    config = parse_kv_transfer_config(value)
+    if config is not None and tensor_parallel_size > 1:
+        raise ConfigError(f"{FLAG} is not supported with {flag('tensor_parallel_size')} > 1 yet")
+    return config
 
 
 def _parallel_config(parallel: ParallelConfig, architecture: str,

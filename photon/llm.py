@@ -47,14 +47,19 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        kv_transfer_params: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
     ) -> list[RequestOutput]:
+        """kv_transfer_params (with --kv-transfer-config): one dict for every prompt, or one per
+        prompt; a prefill instance's outputs carry those to send to the decode instance."""
         prompts = _as_prompt_list(prompts)
+        kv_params = _as_kv_params_list(kv_transfer_params, len(prompts))
         params = _as_params_list(sampling_params if sampling_params is not None
                                  else self.get_default_sampling_params(), len(prompts))
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p, stream=False))
+            for prompt, p, kvp in zip(prompts, params, kv_params):
+                ids.append(self.engine.add_request(prompt, p, stream=False,
+                                                   kv_transfer_params=kvp))
             with _interrupts_between_steps() as interrupted:
                 return self._run(ids, use_tqdm, interrupted)
         except BaseException:
@@ -170,6 +175,15 @@ def _as_conversations(messages: Conversation | Sequence[Conversation]) -> list[C
         return [list(c) for c in items]
     raise ValueError("messages must be a list of message dicts ({'role': ..., 'content': ...}) "
                      "or a list of such lists (one per conversation), none empty")
+
+
+def _as_kv_params_list(values: object, n: int) -> list[dict[str, Any] | None]:
+    if values is None or isinstance(values, dict):
+        return [values] * n
+    values = list(values)  # type: ignore[call-overload]
+    if len(values) != n:
+        raise ValueError(f"kv_transfer_params: got {len(values)} for {n} prompts")
+    return values
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams],

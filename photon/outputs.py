@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -54,3 +55,6 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache
     error: str | None = None  # set when the request failed (its outputs end with "abort")
+    # Disaggregation: on a prefill instance (kv_role kv_producer), where a decode instance finds
+    # this request's KV cache; send it on as the decode request's kv_transfer_params.
+    kv_transfer_params: dict[str, Any] | None = None

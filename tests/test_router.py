@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import zmq
 
+from photon.engine.block_hash import block_hashes as chain_block_hashes
 from photon.router.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -19,7 +20,6 @@ from photon.router.events import (
     EventDecodeError,
     decode_event_batch,
 )
-from photon.engine.block_hash import block_hashes as chain_block_hashes
 from photon.router.index import PrefixIndex
 from photon.router.policies import Candidate, PolicyConfig, make_policy
 from photon.router.subscriber import (

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from photon.core.sampling import PackedSampling
+from photon.kv_transfer.metadata import KVConnectorMetadata
 
 
 @dataclass(slots=True)
@@ -70,6 +71,8 @@ class StepPlan:
     new_requests: list[NewRequest] = field(default_factory=list)  # enter before the rows run
     released: list[int] = field(default_factory=list)  # leave the table before new_requests
     num_tokens: int = 0
+    # The KV connector's loads and saves to start (disaggregation; None without a connector)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def empty(self) -> bool:

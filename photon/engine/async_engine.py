@@ -72,6 +72,7 @@ class _Add:
     params: SamplingParams
     entry: TrackedRequest
     done: Callable[[BaseException | None], None]
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -135,7 +136,8 @@ class AsyncEngine:
     # ---- requests (caller side) -------------------------------------------------------------
     async def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                           sink: RequestSink, tag: Any = None,
-                          arrival_time: float | None = None) -> None:
+                          arrival_time: float | None = None,
+                          kv_transfer_params: dict[str, Any] | None = None) -> None:
         """Queue a request whose outputs go to `sink`; raises the engine's ValueError."""
         self._check_alive()
         entry = TrackedRequest(request_id, sink, tag, arrival_time or time.monotonic(),
@@ -149,7 +151,7 @@ class AsyncEngine:
                 pass  # the caller's loop is closed
 
         try:
-            self._inbox.put(_Add(prompt_ids, params, entry, done))
+            self._inbox.put(_Add(prompt_ids, params, entry, done, kv_transfer_params))
             await fut
         except asyncio.CancelledError:
             self.abort(request_id)  # the add may still land: abort it right behind
@@ -181,10 +183,13 @@ class AsyncEngine:
 
         return self.call(run, timeout)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 request_id: str) -> AsyncIterator[RequestOutput]:
-        """One request's delta outputs; leaving the loop early aborts the request."""
-        return stream_request(self, prompt_ids, params, request_id)
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 kv_transfer_params: dict[str, Any] | None = None
+                 ) -> AsyncIterator[RequestOutput]:
+        """One request's delta outputs; leaving the loop early aborts the request.
+        kv_transfer_params: disaggregation (RequestOutput.kv_transfer_params on a prefill
+        instance's final output)."""
+        return stream_request(self, prompt_ids, params, request_id, kv_transfer_params)
 
     def _check_alive(self) -> None:
         if not self.healthy:
@@ -201,9 +206,9 @@ class AsyncEngine:
     def _loop(self) -> None:
         last_end: float | None = None  # end of the previous step, if work remained after it
         while not self._stop:
-            idle = self._paused or not self.engine.has_unfinished()
+            idle = self._paused or not self.engine.has_work()
             self._drain_inbox(block=idle)
-            if self._stop or self._paused or not self.engine.has_unfinished():
+            if self._stop or self._paused or not self.engine.has_work():
                 self._publish(None, None)  # gauges drop to zero once drained
                 last_end = None
                 continue
@@ -245,7 +250,8 @@ class AsyncEngine:
             return
         rid = cmd.entry.request_id
         try:
-            self.engine.add_request(cmd.prompt_ids, cmd.params, rid, delta=True)
+            self.engine.add_request(cmd.prompt_ids, cmd.params, rid, delta=True,
+                                    kv_transfer_params=cmd.kv_transfer_params)
         except Exception as e:  # noqa: BLE001 - a bad request must not kill the engine thread
             cmd.done(e)
             return
@@ -286,18 +292,21 @@ class AsyncEngine:
 
 class _Streaming(Protocol):
     async def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                          sink: RequestSink) -> None: ...
+                          sink: RequestSink, *,
+                          kv_transfer_params: dict[str, Any] | None = None) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
 
 
 async def stream_request(engine: _Streaming, prompt_ids: list[int], params: SamplingParams,
-                         request_id: str) -> AsyncIterator[RequestOutput]:
+                         request_id: str, kv_transfer_params: dict[str, Any] | None = None
+                         ) -> AsyncIterator[RequestOutput]:
     """`generate` of AsyncEngine and AsyncLLM: one request's delta outputs from its own sink;
     an error put in the sink is raised; leaving the loop before the final output aborts the
     request."""
     sink = RequestSink()
-    await engine.add_request(prompt_ids, params, request_id, sink)
+    await engine.add_request(prompt_ids, params, request_id, sink,
+                             kv_transfer_params=kv_transfer_params)
     finished = False
     try:
         while not finished:

@@ -53,6 +53,7 @@ from photon.engine.messages import (
 from photon.engine.output_processor import OutputProcessor
 from photon.engine.request_checks import RequestChecks
 from photon.engine.request_sink import hand_over
+from photon.kv_transfer.params import parse_kv_transfer_params
 from photon.outputs import RequestOutput
 from photon.reasoning import ReasoningParser, get_reasoning_parser
 from photon.sampling_params import SamplingParams
@@ -183,10 +184,12 @@ class AsyncLLM:
     # ---- requests -------------------------------------------------------------------------------
     async def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                           sink: RequestSink, tag: Any = None,
-                          arrival_time: float | None = None) -> None:
+                          arrival_time: float | None = None,
+                          kv_transfer_params: dict[str, Any] | None = None) -> None:
         """Check the request (raises ValueError) and send it to the core."""
         self._check_alive()
         self.frontend.checks.check(prompt_ids, params)
+        parse_kv_transfer_params(kv_transfer_params)  # its key errors, before it is queued
         arrival = arrival_time or time.monotonic()
         entry = TrackedRequest(request_id, sink, tag, arrival, len(prompt_ids))
         with self._lock:
@@ -198,7 +201,8 @@ class AsyncLLM:
             self._live[core_id] = entry
             self._processor.add(core_id, request_id, prompt_ids, params, arrival)
             client = self.cores.assign(core_id)  # n > 1: the core runs every child
-        _send(client, AddRequest(core_id, prompt_ids, params, arrival))
+        _send(client, AddRequest(core_id, prompt_ids, params, arrival,
+                                 kv_transfer_params=kv_transfer_params))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; unknown or finished ids are ignored)."""
@@ -208,10 +212,13 @@ class AsyncLLM:
         if client is not None and client.alive:
             _send(client, Abort([core_id]), required=False)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 request_id: str) -> AsyncIterator[RequestOutput]:
-        """One request's delta outputs; leaving the loop early aborts the request."""
-        return stream_request(self, prompt_ids, params, request_id)
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 kv_transfer_params: dict[str, Any] | None = None
+                 ) -> AsyncIterator[RequestOutput]:
+        """One request's delta outputs; leaving the loop early aborts the request.
+        kv_transfer_params: disaggregation (RequestOutput.kv_transfer_params on a prefill
+        instance's final output)."""
+        return stream_request(self, prompt_ids, params, request_id, kv_transfer_params)
 
     def call_utility(self, method: str, timeout: float = 30.0) -> int | str | None:
         """Run one of the core's utility methods (photon.engine.core_proc.UTILITIES, or

@@ -162,10 +162,10 @@ class _CoreLoop:
     def run(self) -> None:
         last_end: float | None = None
         while not self.stop["now"] and os.getppid() == self.parent:
-            busy = self.core.has_unfinished() and not self.paused
+            busy = self.core.has_work() and not self.paused
             if not self._receive(block=not busy):
                 break
-            if self.paused or not self.core.has_unfinished():
+            if self.paused or not self.core.has_work():
                 self._send([], None, None)  # rejected adds, and gauges back to zero
                 last_end = None
                 continue
@@ -201,7 +201,7 @@ class _CoreLoop:
         if isinstance(msg, AddRequest):
             try:
                 self.core.add_request(msg.prompt_token_ids, msg.params, msg.request_id,
-                                      delta=True)
+                                      delta=True, kv_transfer_params=msg.kv_transfer_params)
                 self.client_of[msg.request_id] = msg.client
             except Exception as e:  # noqa: BLE001 - one request must not stop the core
                 self.rejected[msg.client].append(RequestDelta(msg.request_id, [], True,
@@ -248,7 +248,7 @@ def _delta(out: RequestOutput) -> RequestDelta:
                            c.cumulative_logprob, c.logprobs) for c in out.outputs]
     first = out.metrics.first_scheduled_time if out.metrics is not None else None
     return RequestDelta(out.request_id, children, out.finished, first, out.prompt_logprobs,
-                        out.num_cached_tokens, out.error)
+                        out.num_cached_tokens, out.error, out.kv_transfer_params)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 import random
+import secrets
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
@@ -30,10 +32,15 @@ from photon.engine.detokenizer import IncrementalDetokenizer
 from photon.engine.kv_cache import KVCacheManager
 from photon.engine.logprobs import TokenTexts
 from photon.engine.pipeline import Pipeline
+from photon.engine.remote_kv import RemoteKV
 from photon.engine.request import Request
 from photon.engine.request_checks import RequestChecks
 from photon.engine.scheduler import Scheduler
+from photon.errors import ParamError
 from photon.kv_events.publisher import create_publisher
+from photon.kv_transfer.base import KVConnectorRole, create_connector
+from photon.kv_transfer.metadata import KVTransferStats
+from photon.kv_transfer.params import KVTransferParams, parse_kv_transfer_params
 from photon.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from photon.reasoning import ReasoningParser, get_reasoning_parser
 from photon.sampling_params import SamplingParams
@@ -58,6 +65,7 @@ class EngineStats:
     num_preemptions: int  # cumulative
     spec_decoding: SpecDecodingStats | None = None  # cumulative; None without speculation
     kv_events_dropped: int = 0  # KV event batches dropped: the publisher's queue was full
+    kv_transfer: KVTransferStats | None = None  # cumulative; None without a KV connector
 
 
 @dataclass
@@ -112,6 +120,7 @@ class EngineCore:
                                    draft_lookahead=self.runner.draft_lookahead)
         if spec is not None and spec.adaptive:  # the adaptive switch: K_eff per step from a cost model
             self.scheduler.spec_policy = AdaptiveSpec(spec.k, self.runner.spec.counters)
+        self._attach_kv_connector()
         step_runner = self.runner if self.workers is None \
             else PlanBroadcast(self.runner, self.workers)
         self.pipeline = Pipeline(self.scheduler, step_runner, self.grammar,
@@ -130,6 +139,33 @@ class EngineCore:
         if self.runner.device.type == "cuda":
             _freeze_startup_heap()
 
+    def _attach_kv_connector(self) -> None:
+        """--kv-transfer-config: the connector's worker side in the runner, its scheduler side
+        in the scheduler. The engine id (process id first: a peer can tell it is gone) names
+        this instance's transfers."""
+        kvt = self.config.kv_transfer_config
+        if kvt is None:
+            return
+        engine_id = f"{os.getpid()}-{secrets.token_hex(4)}"
+        bs = self.config.cache.block_size
+        self.runner.attach_kv_connector(
+            create_connector(kvt, KVConnectorRole.WORKER, engine_id, bs))
+        self.scheduler.remote = RemoteKV(
+            create_connector(kvt, KVConnectorRole.SCHEDULER, engine_id, bs), self.kv)
+        self.scheduler.on_kv_failure = kvt.extra.on_failure
+
+    def _kv_params(self, values: dict | None, params: SamplingParams) -> KVTransferParams | None:
+        """A request's kv_transfer_params, checked (ParamError naming the key)."""
+        kvp = parse_kv_transfer_params(values)
+        if kvp is None or not (kvp.do_remote_decode or kvp.do_remote_prefill):
+            return kvp
+        if self.config.kv_transfer_config is None:
+            raise ParamError("kv_transfer_params", "kv_transfer_params: this instance was "
+                             "started without --kv-transfer-config")
+        if params.n != 1:
+            raise ParamError("kv_transfer_params", "kv_transfer_params: needs n=1")
+        return kvp
+
     # ---- edge validation (photon.engine.request_checks) --------------------------------------
     def tokenize_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         return self.checks.tokenize_prompt(prompt)
@@ -140,10 +176,12 @@ class EngineCore:
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
                     request_id: str | None = None, stream: bool = True,
-                    delta: bool = False) -> str:
+                    delta: bool = False, kv_transfer_params: dict | None = None) -> str:
         """Queue a request; with stream=False, step() reports it only once it is finished;
-        with delta=True each output carries only what is new (see the module docstring)."""
+        with delta=True each output carries only what is new (see the module docstring);
+        kv_transfer_params: disaggregation (photon.kv_transfer.params)."""
         vocab = self.config.model.vocab_size
+        kvp = self._kv_params(kv_transfer_params, params)
         params.validate_token_ids(vocab)
         if params.structured_outputs is not None and self.workers is not None:
             raise ValueError("structured_outputs: not supported with tensor_parallel_size > 1 yet "
@@ -165,6 +203,7 @@ class EngineCore:
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
             req = Request(child_id, list(ids), params, eos, max_tokens, sampling, prompt=text,
                           parent_id=request_id, index=i)
+            req.kv_transfer_params = kvp
             if self.detokenize and (params.detokenize or params.stop):
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
             if params.prompt_logprobs is not None and i == 0:  # the children share the prompt
@@ -189,9 +228,13 @@ class EngineCore:
         return self.reasoning.end_token_id
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and the KV events publisher (idempotent)."""
+        """Stop the tensor-parallel workers, the KV connector's transfers and the KV events
+        publisher (idempotent)."""
         if self.workers is not None:
             self.workers.shutdown()
+        runner = getattr(self, "runner", None)
+        if runner is not None and runner.kv_connector is not None:
+            runner.kv_connector.close()
         publisher = getattr(self, "kv_events", None)  # absent if __init__ failed before it
         if publisher is not None:
             publisher.shutdown()
@@ -237,8 +280,31 @@ class EngineCore:
         return sched.has_unfinished() or not self.pipeline.idle or bool(self._aborted) \
             or sched.has_releases
 
+    def has_pending_transfers(self) -> bool:
+        """KV transfers still hold blocks (a prefill's send waits for its decode instance or its
+        lease): an engine loop keeps stepping to free them, though no request is unfinished."""
+        remote = self.scheduler.remote
+        return remote is not None and remote.busy
+
+    def has_work(self) -> bool:
+        """What an engine loop steps for: unfinished requests, or transfers to free."""
+        return self.has_unfinished() or self.has_pending_transfers()
+
+    def _poll_kv_transfers(self) -> list[Request]:
+        """The connector's finished transfers, applied; the requests failed by a load. With
+        nothing to run, wait briefly for a transfer instead of spinning."""
+        conn, sched = self.runner.kv_connector, self.scheduler
+        if conn is None:
+            return []
+        if self.pipeline.idle and not sched.waiting and not sched.running and conn.has_pending():
+            conn.wait_for_progress(0.01)
+        sending, recving = conn.get_finished()
+        if not (sending or recving):
+            return []
+        return sched.kv_transfers_finished(sending, recving, conn.get_block_ids_with_load_errors())
+
     def step(self) -> list[RequestOutput]:
-        touched = self._promote_grammars()
+        touched = self._poll_kv_transfers() + self._promote_grammars()
         sched = self.scheduler
         if (sched.has_unfinished() and not sched.only_compiling) or not self.pipeline.idle \
                 or sched.has_releases:
@@ -287,7 +353,8 @@ class EngineCore:
         return RequestOutput(parent_id, first.prompt, prompt_ids, outs,
                              finished=all(r.finished for r in children), metrics=metrics,
                              prompt_logprobs=self._prompt_logprobs(first, state),
-                             num_cached_tokens=first.num_cached_tokens, error=error)
+                             num_cached_tokens=first.num_cached_tokens, error=error,
+                             kv_transfer_params=first.kv_transfer_params_out)
 
     @staticmethod
     def _prompt_logprobs(first: Request, state: _DeltaState | None) -> PromptLogprobs | None:
@@ -337,7 +404,8 @@ class EngineCore:
         return EngineStats(len(sched.running), len(sched.waiting) + len(sched.grammar_waiting),
                            kv.usage,
                            kv.num_cached_free_blocks, kv.prefix_queries, kv.prefix_hits,
-                           sched.num_preemptions, self.spec_stats(), self.kv_events.dropped)
+                           sched.num_preemptions, self.spec_stats(), self.kv_events.dropped,
+                           self.runner.kv_connector.stats() if self.runner.kv_connector else None)
 
     def spec_stats(self) -> SpecDecodingStats | None:
         """Speculative decoding's counters over the committed steps (a snapshot)."""
@@ -352,6 +420,7 @@ class EngineCore:
         assert not sched.has_unfinished(), "requests still running or waiting"
         assert self.pipeline.idle, "a step is still in flight"
         assert sched.num_unreleased == 0, "finished requests not yet released"
+        assert not self.has_pending_transfers(), "KV transfers still hold blocks"
         assert self.kv.num_used_blocks == 0, f"{self.kv.num_used_blocks} KV blocks still held"
         assert len(sched.free_indices) == len(sched.by_index), "request indices leaked"
         live = self.runner.table.num_live

@@ -8,6 +8,8 @@ stats, and `CoreError` last if the core's loop raised. All of it is msgspec-enco
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from photon.engine.engine_core import EngineStats
@@ -21,6 +23,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     params: SamplingParams
     arrival_time: float  # time.monotonic() of the front end (one clock per machine)
     client: int = 0  # which front end sent it: its outputs go back there
+    kv_transfer_params: dict[str, Any] | None = None  # disaggregation (photon.kv_transfer)
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -68,6 +71,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # sent once, when complete
     num_cached_tokens: int | None = None
     error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's final output
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):

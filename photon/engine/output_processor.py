@@ -78,7 +78,8 @@ class OutputProcessor:
         prompt_lps = _with_texts(delta.prompt_logprobs, self._texts(req))
         return RequestOutput(req.user_id, None, req.prompt_token_ids, outs, finished,
                              RequestMetrics(req.arrival_time, delta.first_scheduled_time),
-                             prompt_lps, delta.num_cached_tokens, delta.error), stopped
+                             prompt_lps, delta.num_cached_tokens, delta.error,
+                             delta.kv_transfer_params), stopped
 
     def _texts(self, req: _Request) -> TokenTexts | None:
         return self.texts if req.params.detokenize else None

@@ -123,7 +123,7 @@ class Pipeline:
         sched = self.scheduler
         if sched.has_releases:
             self._prepare(sched.releases_only())
-        if committed is None and sched.has_unfinished() and not sched.only_compiling:
+        if committed is None and sched.has_unfinished() and not sched.waits_elsewhere:
             raise RuntimeError("engine made no progress: nothing schedulable and nothing in flight")
 
     def _plan(self) -> _Step | None:

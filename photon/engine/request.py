@@ -15,11 +15,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from photon.core.sampling import PackedSampling
     from photon.engine.detokenizer import IncrementalDetokenizer
+    from photon.kv_transfer.params import KVTransferParams
     from photon.outputs import PromptLogprobs, SampleLogprobs
     from photon.sampling_params import SamplingParams
     from photon.structured.manager import RequestGrammar
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
 class RequestStatus(enum.Enum):
     WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # compiling; not admitted until it is ready
     WAITING = "waiting"
+    # Its blocks are allocated and a KV connector loads them from a prefill instance; it joins
+    # the waiting queue's head (with the loaded tokens computed) when the load ended.
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
@@ -86,6 +90,15 @@ class Request:
     grammar: RequestGrammar | None = None  # structured outputs: compile state, then matcher
     error: str | None = None  # why the request failed (e.g. its grammar did not compile)
     scheduled_time: float | None = None
+    # Disaggregation (photon.kv_transfer): the request's kv_transfer_params, whether its remote
+    # load was tried (once: a retry computes locally), whether it holds blocks while waiting
+    # (loaded, not yet admitted), whether its blocks outlive it until a transfer is done, and
+    # what its output tells the client (the prefill side's transfer).
+    kv_transfer_params: KVTransferParams | None = None
+    kv_load_done: bool = False
+    kv_loaded: bool = False
+    kv_delay_free: bool = False
+    kv_transfer_params_out: dict[str, Any] | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -33,6 +33,7 @@ from photon.core.step import (
 from photon.engine.append import append_prompt_scores, append_token, check_stop
 from photon.engine.kv_cache import KVCacheManager, PrefixMatch
 from photon.engine.logprobs import TokenText
+from photon.engine.remote_kv import RemoteKV
 from photon.engine.request import FinishReason, Request, RequestStatus
 from photon.spec.adaptive import SpecPolicy
 from photon.structured.backend import GrammarError
@@ -81,6 +82,9 @@ class Scheduler:
         self.requests: dict[int, Request] = {}  # every request not yet released, by key
         self._next_key = 0
         self.num_preemptions = 0
+        # Prefill/decode disaggregation's state (set by the engine with a KV connector)
+        self.remote: RemoteKV | None = None
+        self.on_kv_failure = "recompute"  # kv_connector_extra_config.on_failure
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -117,12 +121,19 @@ class Scheduler:
             self.finish(req, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.grammar_waiting)
+        return bool(self.waiting or self.running or self.grammar_waiting
+                    or (self.remote is not None and self.remote.loading))
 
     @property
     def only_compiling(self) -> bool:
         """Nothing to plan: every unfinished request waits for its grammar."""
         return bool(self.grammar_waiting) and not self.waiting and not self.running
+
+    @property
+    def waits_elsewhere(self) -> bool:
+        """Nothing planned may still be progress: a grammar compiles with nothing else to run,
+        or a KV transfer (a load, or a send holding blocks) is in flight."""
+        return self.only_compiling or (self.remote is not None and self.remote.busy)
 
     @property
     def num_unreleased(self) -> int:
@@ -131,9 +142,9 @@ class Scheduler:
     # ---- plan ---------------------------------------------------------------------------------
     @property
     def has_releases(self) -> bool:
-        """Request indices were released since the last plan (the runner learns it from the
-        next one)."""
-        return bool(self._released)
+        """Request indices were released, or KV transfers planned, since the last plan (the
+        runner learns of them from the next one)."""
+        return bool(self._released) or (self.remote is not None and self.remote.has_planned)
 
     def request_at(self, req_index: int) -> Request:
         req = self.by_index[req_index]
@@ -144,7 +155,12 @@ class Scheduler:
         """A plan without rows that hands the runner the indices released since the last plan."""
         out = SchedulerOutput(StepPlan(released=self._released))
         self._released = []
+        self._attach_kv_meta(out)
         return out
+
+    def _attach_kv_meta(self, out: SchedulerOutput) -> None:
+        if self.remote is not None and self.remote.has_planned:
+            out.plan.kv_connector_metadata = self.remote.build_meta()
 
     def plan(self) -> SchedulerOutput:
         out = SchedulerOutput(StepPlan(released=self._released))
@@ -171,6 +187,7 @@ class Scheduler:
                 self._add_row(req, num_new, out)
                 budget -= num_new
         self._admit_waiting(budget, out)
+        self._attach_kv_meta(out)
         if out.plan.rows:
             out.plan.step = self.num_steps
             self.num_steps += 1
@@ -248,24 +265,64 @@ class Scheduler:
             req = self.waiting[0]
             if req.inflight_refs > 0:
                 break  # a preempted request whose last step is still in flight (FCFS: wait)
-            # Prompt logprobs need the logits of every prompt position: no cached prefix.
-            prefix = (self.kv.match_prefix(req.all_token_ids) if req.prompt_logprobs_done
-                      else PrefixMatch())
-            num_new = min(req.num_known_tokens - prefix.num_tokens, budget)
-            end = self._row_reserve(req, prefix.num_tokens + num_new, req.num_known_tokens)
+            prefix, start = self._admission_prefix(req)
+            if start < 0:
+                if start == -1:
+                    break
+                continue  # it waits for its KV cache from a prefill instance
+            num_new = min(req.num_known_tokens - start, budget)
+            end = self._row_reserve(req, start + num_new, req.num_known_tokens)
             if not self.kv.allocate(req.key, end, prefix):
                 break
             self.waiting.popleft()
+            req.kv_loaded = False
             req.status = RequestStatus.RUNNING
             req.spec_live = False  # a new table entry: its length is not on the device yet
             self._take_index(req, out)
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
                 req.num_cached_tokens = prefix.num_tokens
-            req.num_computed_tokens = prefix.num_tokens
+            req.num_computed_tokens = start
             self.running.append(req)
             self._add_row(req, num_new, out)
             budget -= num_new
+
+    def _admission_prefix(self, req: Request) -> tuple[PrefixMatch, int]:
+        """The waiting head's prefix-cache hit and first position to compute; -1: no blocks for
+        its remote load now (admission stops), -2: it went to WAITING_FOR_REMOTE_KV."""
+        if req.kv_loaded:  # its blocks hold the loaded prompt already
+            return PrefixMatch(), req.num_computed_tokens
+        # Prompt logprobs need the logits of every prompt position: no cached prefix.
+        prefix = (self.kv.match_prefix(req.all_token_ids) if req.prompt_logprobs_done
+                  else PrefixMatch())
+        if self.remote is not None:
+            started = self.remote.start_load(req, prefix)
+            if started is not None:
+                if started:
+                    self.waiting.popleft()
+                return prefix, -2 if started else -1
+        return prefix, prefix.num_tokens
+
+    def kv_transfers_finished(self, sending: set[int], recving: set[int],
+                              error_blocks: set[int]) -> list[Request]:
+        """The connector's finished transfers: sends free their blocks, loaded requests rejoin
+        the waiting queue's head; failed loads recompute or fail (returned, for the output)."""
+        remote = self.remote
+        remote.sends_finished(sending, self.requests)
+        outcome = remote.loads_finished(recving, error_blocks)
+        for req in reversed(outcome.loaded):
+            self.waiting.appendleft(req)
+        failed = []
+        for req in outcome.failed:
+            if self.on_kv_failure == "fail":
+                self.waiting.appendleft(req)  # so that finish() finds it
+                self.fail(req, "kv_transfer_params: the KV cache from the prefill instance "
+                               "could not be loaded (failed, timed out or its instance is "
+                               "gone) and on_failure is 'fail'")
+                failed.append(req)
+            else:
+                self.waiting.appendleft(req)  # computes its prompt here
+        return failed
 
     def _take_index(self, req: Request, out: SchedulerOutput) -> None:
         """The request enters the runner's table: with everything it knows (a waiting request
@@ -392,6 +449,9 @@ class Scheduler:
         """The request's output is final now; its rows still in flight become zombies."""
         req.finished = True
         req.finish_reason = reason
+        if self.remote is not None:
+            computed = reason is not FinishReason.ABORT and req.output_token_ids != []
+            self.remote.request_finished(req, computed)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING_FOR_GRAMMAR:
@@ -410,11 +470,15 @@ class Scheduler:
         if req.status not in (RequestStatus.PREEMPTED, RequestStatus.FINISHED):
             return
         if req.req_index is not None:
-            self.kv.free(req.key)
+            if self.remote is None or not self.remote.hold_blocks(req):
+                self.kv.free(req.key)
             self.by_index[req.req_index] = None
             self.free_indices.append(req.req_index)
             self._released.append(req.req_index)
             req.req_index = None
+        elif req.kv_loaded:  # finished while its loaded blocks waited for admission
+            self.kv.free(req.key)
+            req.kv_loaded = False
         if req.finished:
             self.requests.pop(req.key, None)
             if req.grammar is not None:

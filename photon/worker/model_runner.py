@@ -38,6 +38,8 @@ from photon.core.step import (
     request_table_size,
 )
 from photon.distributed.group import TPGroup
+from photon.kv_transfer.base import KVConnectorBase
+from photon.kv_transfer.metadata import KVConnectorMetadata
 from photon.model.loader import load_model
 from photon.sampling_params import MAX_LOGPROBS
 from photon.spec.draft_config import draft_model_config
@@ -141,6 +143,8 @@ class ModelRunner:
                                mask_numel(max_seqs, words)) for i in range(2)]
         self.sampler = Sampler(fused=config.model.use_triton)
         self.probe: StepProbe | None = None
+        # Disaggregation: the KV connector's worker side (attach_kv_connector); None: none
+        self.kv_connector: KVConnectorBase | None = None
         self.graphs: StepGraphs | None = None
         # Graphs capture one rank's kernels only: with tp > 1 the steps run eagerly.
         if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1:
@@ -217,12 +221,31 @@ class ModelRunner:
                 on_fault(new.req_index, f"internal error: the request's inputs could not be "
                                         f"staged ({type(e).__name__}: {e})")
 
+    # ---- KV transfers ---------------------------------------------------------------------
+    def attach_kv_connector(self, connector: KVConnectorBase) -> None:
+        connector.register_kv_caches(self.kv_caches)
+        self.kv_connector = connector
+
+    def _start_kv_transfers(self, meta: KVConnectorMetadata | None) -> None:
+        """The plan's loads (into blocks no step reads until they finished) and saves (of
+        blocks whose KV a committed step wrote): issued, never awaited here."""
+        c = self.kv_connector
+        if meta is None or c is None or meta.empty:
+            return
+        c.bind_connector_metadata(meta)
+        c.start_load_kv()
+        for layer in range(len(self.kv_caches)):
+            c.save_kv_layer(layer)
+        c.wait_for_save()
+        c.clear_connector_metadata()
+
     # ---- prepare / launch ---------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> PreparedStep | None:
-        """Host half of a launch: the plan's table changes, the step's inputs, staged into its
-        slot's pinned buffers (None for an empty plan). The pipelined loop prepares t+2 while the
-        grammar fill of t+1 runs."""
+        """Host half of a launch: the plan's table changes and KV transfers, the step's inputs,
+        staged into its slot's pinned buffers (None for an empty plan). The pipelined loop
+        prepares t+2 while the grammar fill of t+1 runs."""
         self._apply_table_changes(plan)
+        self._start_kv_transfers(plan.kv_connector_metadata)
         if plan.empty:
             return None
         rows = plan.rows

@@ -1,0 +1,7 @@
+"""Prefill/decode disaggregation: KV connectors move a request's KV cache between instances.
+
+`config.py` parses `--kv-transfer-config`, `params.py` the per-request `kv_transfer_params`,
+`base.py` is the connector interface (a scheduler side and a worker side, as vLLM's v1
+connector), `registry.py` names the connectors; `shared_memory.py` is the one for two instances
+on one machine. docs/disaggregation.md describes the roles and the request's states.
+"""

@@ -1,0 +1,131 @@
+"""`KVTransferConfig`: vLLM's `--kv-transfer-config` / `LLM(kv_transfer_config=...)`, checked.
+
+Keys (vLLM's names): kv_connector (a registered connector, e.g. "SharedMemoryConnector"),
+kv_role ("kv_producer": a prefill instance, "kv_consumer": a decode instance, "kv_both"),
+kv_connector_extra_config (the connector's own options; photon reads timeout_s, on_failure,
+rendezvous and the test-only inject_fault). Every mistake is a ConfigError naming the key and
+what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from photon.config import ConfigError
+
+FLAG = "kv_transfer_config (--kv-transfer-config)"
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+ON_FAILURE = ("recompute", "fail")
+# Test-only fault injection on the producer side: drop: the transfer is never written;
+# delay: it is written but never published (the consumer times out).
+INJECT_FAULTS = ("none", "drop", "delay")
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_RENDEZVOUS = "photon"
+_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
+_EXTRA_KEYS = ("timeout_s", "on_failure", "rendezvous", "inject_fault")
+_NAME = re.compile(r"[A-Za-z0-9_.]{1,64}")
+_EXAMPLE = '{"kv_connector": "SharedMemoryConnector", "kv_role": "kv_producer"}'
+
+
+def _error(key: str, message: str) -> ConfigError:
+    return ConfigError(f"{FLAG}: {key} {message}")
+
+
+def _choice(key: str, value: object, allowed: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in allowed:
+        raise _error(key, f"must be one of {', '.join(allowed)}; got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class KVConnectorExtraConfig:
+    """kv_connector_extra_config, checked."""
+
+    # A transfer not finished this long after it started fails (the consumer) or is given up
+    # and its blocks freed (the producer's lease).
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    on_failure: str = "recompute"  # recompute the prefill locally, or fail the request
+    # The name both instances meet under on this machine; tests give each pair its own.
+    rendezvous: str = DEFAULT_RENDEZVOUS
+    inject_fault: str = "none"  # test only: see INJECT_FAULTS
+
+    def __post_init__(self) -> None:
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
+            raise _error("kv_connector_extra_config.timeout_s",
+                         f"must be a number of seconds in (0, 3600], got {t!r}")
+        object.__setattr__(self, "timeout_s", float(t))
+        _choice("kv_connector_extra_config.on_failure", self.on_failure, ON_FAILURE)
+        _choice("kv_connector_extra_config.inject_fault", self.inject_fault, INJECT_FAULTS)
+        if not isinstance(self.rendezvous, str) or not _NAME.fullmatch(self.rendezvous):
+            raise _error("kv_connector_extra_config.rendezvous",
+                         f"must be 1 to 64 letters, digits, '_' or '.'; got {self.rendezvous!r}")
+
+    @classmethod
+    def from_dict(cls, values: object) -> KVConnectorExtraConfig:
+        if not isinstance(values, Mapping):
+            raise _error("kv_connector_extra_config", f"must be a JSON object, got {values!r}")
+        unknown = sorted(set(values) - set(_EXTRA_KEYS), key=str)
+        if unknown:
+            raise _error("kv_connector_extra_config", f"has unknown key {unknown[0]!r}; "
+                                                      f"allowed keys: {', '.join(_EXTRA_KEYS)}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    kv_connector: str
+    kv_role: str
+    kv_connector_extra_config: KVConnectorExtraConfig = KVConnectorExtraConfig()
+
+    def __post_init__(self) -> None:
+        from photon.kv_transfer.registry import KV_CONNECTORS
+
+        if not isinstance(self.kv_connector, str) or self.kv_connector not in KV_CONNECTORS:
+            raise _error("kv_connector", f"must be one of {', '.join(KV_CONNECTORS.names())}; "
+                                         f"got {self.kv_connector!r}")
+        _choice("kv_role", self.kv_role, KV_ROLES)
+
+    @property
+    def extra(self) -> KVConnectorExtraConfig:
+        return self.kv_connector_extra_config
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> KVTransferConfig:
+        unknown = sorted(set(values) - set(_KEYS), key=str)
+        if unknown:
+            raise ConfigError(f"{FLAG}: unknown key {unknown[0]!r}; allowed keys: "
+                              f"{', '.join(_KEYS)}")
+        for key in ("kv_connector", "kv_role"):
+            if key not in values:
+                raise _error(key, f"is required, e.g. {_EXAMPLE}")
+        extra = KVConnectorExtraConfig.from_dict(values.get("kv_connector_extra_config") or {})
+        return cls(values["kv_connector"], values["kv_role"], extra)
+
+
+def parse_kv_transfer_config(value: object) -> KVTransferConfig | None:
+    """The engine argument as given (a JSON object string, a dict, a KVTransferConfig or None)
+    -> a checked KVTransferConfig, or None (no disaggregation)."""
+    if value is None or isinstance(value, KVTransferConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{FLAG} must be a JSON object such as {_EXAMPLE}; {e}") from None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{FLAG} must be a JSON object (a dict in Python) such as "
+                          f"{_EXAMPLE}; got {value!r}")
+    return KVTransferConfig.from_dict(value)
