@@ -23,6 +23,7 @@ import os
 from photon.config import ConfigError, EngineConfig
 from photon.engine.core_client import CoreClient
 from photon.engine.engine_core import EngineStats
+from photon.kv_transfer.metadata import KVTransferStats
 from photon.spec.stats import SpecDecodingStats
 
 
@@ -135,7 +136,20 @@ def combine_stats(stats: list[EngineStats]) -> EngineStats:
         num_preemptions=sum(s.num_preemptions for s in stats),
         spec_decoding=_combine_spec(specs) if specs else None,
         kv_events_dropped=sum(s.kv_events_dropped for s in stats),
+        kv_transfer=_combine_kv_transfer([s.kv_transfer for s in stats
+                                          if s.kv_transfer is not None]),
     )
+
+
+def _combine_kv_transfer(parts: list[KVTransferStats]) -> KVTransferStats | None:
+    if not parts:
+        return None
+    total = parts[0].copy()
+    for p in parts[1:]:
+        for name, value in vars(p).items():
+            if name != "role":
+                setattr(total, name, getattr(total, name) + value)
+    return total
 
 
 def _combine_spec(specs: list[SpecDecodingStats]) -> SpecDecodingStats:

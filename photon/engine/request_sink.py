@@ -91,7 +91,8 @@ def _wake_sinks(sinks: list[RequestSink]) -> None:
 
 def merge_outputs(first: RequestOutput | BaseException, then: RequestOutput) -> RequestOutput:
     """Two consecutive delta outputs of one request as one: each sequence's token ids, text and
-    logprobs concatenated; the latest finish, stop reason, cumulative logprob and error;
+    logprobs concatenated; the latest finish, stop reason, cumulative logprob, error and
+    kv_transfer_params;
     the prompt's logprobs and cached-token count from whichever output carried them."""
     assert isinstance(first, RequestOutput)
     children = {c.index: c for c in first.outputs}
@@ -105,7 +106,9 @@ def merge_outputs(first: RequestOutput | BaseException, then: RequestOutput) -> 
         else then.prompt_logprobs,
         num_cached_tokens=first.num_cached_tokens if first.num_cached_tokens is not None
         else then.num_cached_tokens,
-        error=then.error if then.error is not None else first.error)
+        error=then.error if then.error is not None else first.error,
+        kv_transfer_params=then.kv_transfer_params if then.kv_transfer_params is not None
+        else first.kv_transfer_params)
 
 
 def _merge_child(first: CompletionOutput, then: CompletionOutput) -> CompletionOutput:
