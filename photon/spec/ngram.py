@@ -53,10 +53,12 @@ def _match_lengths(tokens: Tensor, valid: Tensor, max_n: int) -> Tensor:
 def propose_ngram(ctx: ProposeContext, min_n: int, max_n: int, max_model_len: int,
                   search_window: int | None = None, fused: bool | None = None) -> Proposal:
     """The n-gram proposals of the module docstring for every row of `ctx`. fused=None runs the
-    Triton kernel (photon.kernels.ngram) on CUDA when triton imports, the torch ops otherwise."""
+    Triton kernel (photon.kernels.ngram) as `ctx.fused` says (None: on CUDA when triton imports),
+    the torch ops otherwise."""
     pool_len = ctx.token_pool.shape[1]
     width = min(search_window or pool_len, pool_len)
-    fused = fused if fused is not None else ctx.token_pool.is_cuda and has_triton()
+    fused = next((f for f in (fused, ctx.fused) if f is not None),
+                 ctx.token_pool.is_cuda and has_triton())
     if fused:
         from photon.kernels import ngram  # imports triton: only when fused
 
