@@ -1,13 +1,10 @@
-"""Speculative step bookkeeping in single launches: photon.worker.spec_step.SpecDecoder's torch
-code (its CPU path and oracle) fused per row.
+"""Speculative step bookkeeping in a single launch: photon.worker.spec_step.SpecDecoder.resolve's
+torch code (its CPU path and oracle) fused per row.
 
-`resolve`: one program per speculative row fills its K_eff + 1 query tokens' positions, pool
-entries and KV slots, its seq_len, and its sampling rows' counters, lengths and pool entries,
-from the device length `dev_len` of its request. `advance`: one program writes a step's kept
-tokens into the token pool and sets each sampling request's `dev_len` to the largest
-(position + 1) of its rows that kept a token. `place_drafts`: one program per proposing request
-writes its drafts into the pool after its known tokens and records `num_draft`. Each writes
-exactly what the torch code writes; grids come from shapes only, no host sync.
+One program per speculative row fills its K_eff + 1 query tokens' positions, pool entries and KV
+slots, its seq_len, and its sampling rows' counters, lengths and pool entries, from the device
+length `dev_len` of its request: exactly what the torch code writes. The grid comes from shapes
+only; no host sync.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ the output distribution whatever the proposals are.)
 
 Vectorised over a window of the last W tokens of each row (W = the whole pool row unless
 `search_window` bounds it): prompt_lookup_max shifted compares of [B, W], no host sync, shapes
-from (B, K, L) only.
+from (B, K, L) only. On CUDA one Triton launch does the same (photon.kernels.ngram); these torch
+ops are the CPU path and its oracle.
 """
 
 from __future__ import annotations
