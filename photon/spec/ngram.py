@@ -11,7 +11,8 @@ the output distribution whatever the proposals are.)
 
 Vectorised over a window of the last W tokens of each row (W = the whole pool row unless
 `search_window` bounds it): prompt_lookup_max shifted compares of [B, W], no host sync, shapes
-from (B, K, L) only.
+from (B, K, L) only. On CUDA one Triton launch does the same (photon.kernels.ngram); these torch
+ops are the CPU path and its oracle.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from photon.kernels import has_triton
 from photon.spec.config import SpeculativeConfig
 from photon.spec.proposer import PROPOSERS, Proposal, ProposeContext
 
@@ -50,10 +52,25 @@ def _match_lengths(tokens: Tensor, valid: Tensor, max_n: int) -> Tensor:
 
 
 def propose_ngram(ctx: ProposeContext, min_n: int, max_n: int, max_model_len: int,
-                  search_window: int | None = None) -> Proposal:
-    """The n-gram proposals of the module docstring for every row of `ctx`."""
+                  search_window: int | None = None, fused: bool | None = None) -> Proposal:
+    """The n-gram proposals of the module docstring for every row of `ctx`. fused=None runs the
+    Triton kernel (photon.kernels.ngram) as `ctx.fused` says (None: on CUDA when triton imports),
+    the torch ops otherwise."""
     pool_len = ctx.token_pool.shape[1]
     width = min(search_window or pool_len, pool_len)
+    fused = next((f for f in (fused, ctx.fused) if f is not None),
+                 ctx.token_pool.is_cuda and has_triton())
+    if fused:
+        from photon.kernels import ngram  # imports triton: only when fused
+
+        draft, num = ngram.propose(ctx.token_pool, ctx.pool_rows, ctx.seq_lens, ctx.k, min_n,
+                                   max_n, max_model_len, width)
+        return Proposal(draft, num, None)
+    return _propose_torch(ctx, min_n, max_n, max_model_len, width)
+
+
+def _propose_torch(ctx: ProposeContext, min_n: int, max_n: int, max_model_len: int,
+                   width: int) -> Proposal:
     tokens, valid = _window(ctx, width)
     length = _match_lengths(tokens, valid, max_n)
     cols = torch.arange(width, device=tokens.device)

@@ -30,6 +30,8 @@ class ProposeContext:
     pool_rows: Tensor  # [B] int64
     seq_lens: Tensor  # [B] int64
     k: int  # proposals per row (num_speculative_tokens): the K of every output shape
+    # Whether a proposer with a Triton kernel runs it (None: on CUDA when triton imports).
+    fused: bool | None = None
 
 
 @dataclass

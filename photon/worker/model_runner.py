@@ -130,7 +130,8 @@ class ModelRunner:
         words = bitmask_width(mc.vocab_size)
         self.mask_views = MaskViews(words)
         self.spec = None if spec is None else SpecDecoder(
-            spec, mc.max_model_len, num_rows, self.pool_width, self.block_size, self.device)
+            spec, mc.max_model_len, num_rows, self.pool_width, self.block_size, self.device,
+            fused=mc.use_triton)
         self.draft = None if self.draft_config is None else DraftRunner(
             self.draft_config, self.num_blocks, self.block_size, num_rows, mc.max_model_len,
             self.backend, self.device)

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from photon.core.inputs import StepInputs
+from photon.kernels import has_triton
 from photon.spec.config import SpeculativeConfig
 from photon.spec.proposer import ProposeContext, build_proposer
 from photon.spec.rejection import verify
@@ -34,8 +35,11 @@ NO_DRAFT = -2  # a speculative row's sampling row past its drafts (-1: a draft n
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, num_rows: int,
-                 pool_width: int, block_size: int, device: torch.device) -> None:
+                 pool_width: int, block_size: int, device: torch.device,
+                 fused: bool | None = None) -> None:
         self.k = config.k
+        # fused=None: the Triton kernels of photon.kernels.spec_step on CUDA when triton imports.
+        self.fused = fused if fused is not None else device.type == "cuda" and has_triton()
         self.proposer = build_proposer(config, max_model_len)
         self.max_model_len = max_model_len
         self.pool_width = pool_width
@@ -53,6 +57,12 @@ class SpecDecoder:
         rows, a graph's padding rows included)."""
         rows, req = dev.spec_rows, dev.spec_reqs
         if rows.numel() == 0:  # a shape: no sync
+            return
+        if self.fused:
+            from photon.kernels import spec_step  # imports triton: only when fused
+
+            spec_step.resolve(self.dev_len, dev, num_rows, k, self.pool_width, self.block_size,
+                              self.max_model_len)
             return
         w, bs = self.pool_width, self.block_size
         d = self.dev_len[req]
@@ -133,7 +143,7 @@ class SpecDecoder:
         if req.numel() == 0:
             return
         lens = self.dev_len[req]
-        prop = self.proposer.propose(ProposeContext(pool, req, lens, self.k))
+        prop = self.proposer.propose(ProposeContext(pool, req, lens, self.k, self.fused))
         num = prop.num_draft.long()
         j = self._j[None, :self.k]
         idx = req[:, None] * self.pool_width + (lens[:, None] + j).clamp(max=self.pool_width - 1)
