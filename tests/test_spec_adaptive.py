@@ -77,8 +77,15 @@ def test_an_expensive_cost_everywhere_keeps_speculation_off() -> None:
     specs = _specs()
     base, _ = run(_llm(False), specs)
     llm, choices = _adaptive(True, 1)
+    proposer = llm.engine.runner.spec.proposer
+    calls: list[int] = []
+    propose = proposer.propose
+    proposer.propose = lambda ctx: calls.append(1) or propose(ctx)
     out, audit = run(llm, specs)
     assert out == base
+    # Steps verifying no drafts propose none for the next step: the proposer never runs
+    # (the first prefill step's choice is 0 too).
+    assert calls == []
     assert {k for b, k in choices if b} == {0} and _accepted(llm) == 0
     assert llm.engine.runner.spec.counters.num_drafts == 0
     assert all(r.spec_k == K for r in audit.requests.values())  # speculative rows throughout

@@ -387,8 +387,13 @@ class ModelRunner:
                 views.topk_ids.copy_(lps[2])
                 views.topk_lp.copy_(lps[3])
         if self.spec is not None:
-            self._bind_draft(h)
-            self.spec.advance(tokens, h.dev, self.token_pool)
+            # A step verifying no drafts (the adaptive switch chose K_eff = 0, which it keeps
+            # while the batch stays in its bucket) predicts the next one: no proposals, so no
+            # proposer cost. A later step with K_eff > 0 verifies nothing once, losslessly.
+            propose = h.host.spec_k > 0
+            if propose:
+                self._bind_draft(h)
+            self.spec.advance(tokens, h.dev, self.token_pool, propose)
         else:
             self.token_pool.view(-1)[h.dev.sample_pool_idx] = tokens.to(torch.int32)
         if h.marks is not None:

@@ -127,8 +127,10 @@ class SpecDecoder:
         tokens[v] = torch.where(no_draft, NO_DRAFT, out.tokens).reshape(-1)
         return tokens, raw
 
-    def advance(self, tokens: Tensor, dev: StepInputs[Tensor], pool: Tensor) -> None:
-        """After a step's draw: its tokens into the pool, the new lengths, the next drafts."""
+    def advance(self, tokens: Tensor, dev: StepInputs[Tensor], pool: Tensor,
+                propose: bool = True) -> None:
+        """After a step's draw: its tokens into the pool, the new lengths, the next drafts
+        (`propose` False: none; the requests then have no drafts until they propose again)."""
         flat = pool.view(-1)
         idx = dev.sample_pool_idx
         keep = tokens >= 0
@@ -136,7 +138,10 @@ class SpecDecoder:
         # Row r's new length: the largest (position + 1) of its sampling rows that kept a token.
         ends = torch.where(keep, dev.sample_seq_lens + 1, torch.zeros_like(idx))
         self.dev_len.scatter_reduce_(0, dev.pool_rows, ends, "amax", include_self=False)
-        self.propose(dev.propose_reqs, pool)
+        if propose:
+            self.propose(dev.propose_reqs, pool)
+        else:
+            self.num_draft[dev.propose_reqs] = 0
 
     def propose(self, req: Tensor, pool: Tensor) -> None:
         """The next drafts of requests `req` into the pool at dev_len .. dev_len + K - 1."""
