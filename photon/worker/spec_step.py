@@ -141,7 +141,7 @@ class SpecDecoder:
         if propose:
             self.propose(dev.propose_reqs, pool)
         else:
-            self.num_draft[dev.propose_reqs] = 0
+            self.num_draft.index_fill_(0, dev.propose_reqs, 0)
 
     def propose(self, req: Tensor, pool: Tensor) -> None:
         """The next drafts of requests `req` into the pool at dev_len .. dev_len + K - 1."""
