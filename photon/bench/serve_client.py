@@ -50,7 +50,7 @@ def build_payload(cfg: ClientConfig, spec: RequestSpec) -> dict[str, Any]:
     }
     if cfg.chat:
         text = spec.prompt if isinstance(spec.prompt, str) else ids_to_text(spec.prompt)
-        payload["messages"] = [{"role": "user", "content": text}]
+        payload["messages"] = spec.messages or [{"role": "user", "content": text}]
         payload["max_completion_tokens"] = spec.output_len
     else:
         payload["prompt"] = spec.prompt
@@ -96,7 +96,9 @@ class _Stream:
         # A chunk that carries a choice's text counts as a token arrival even when that text is
         # empty: with a tokenizer that cannot spell every id (random-weight shapes served with
         # photon-tiny's tokenizer), requiring non-empty text would push TTFT to the end.
-        if chunk_text(data, self.chat) is not None:
+        text = chunk_text(data, self.chat)
+        if text is not None:
+            self.record.text += text
             if self.record.ttft is None:
                 self.record.ttft = now - self.sent
             else:
