@@ -73,7 +73,10 @@ def chunk_text(data: dict[str, Any], chat: bool) -> str | None:
         return None
     choice = choices[0]
     if chat:
-        return (choice.get("delta") or {}).get("content")
+        delta = choice.get("delta") or {}
+        if "role" in delta and not delta.get("content"):
+            return None  # the role announcement a server may send before any token
+        return delta.get("content")
     return choice.get("text")
 
 
