@@ -1,7 +1,8 @@
 """`photon bench serve`: online serving benchmark against an OpenAI-compatible server.
 
 Prompts come from --dataset-name: random token ids (default), sharegpt (--dataset-path, read as
-vLLM reads ShareGPT JSON) or standard. On the chat endpoint a random prompt of N tokens is a
+vLLM reads ShareGPT JSON), standard, or multiturn (chats whose turns carry their history, with
+the servers' prefix hit rate; photon.bench.serve_multiturn). On the chat endpoint a random prompt of N tokens is a
 message whose prompt after the chat template is exactly N tokens (sized with the server's
 /tokenize, or --tokenizer DIR); the report gives the input tokens the server counted.
 Requests arrive by --request-rate (Poisson, or gamma with --burstiness; inf = all at once) and/or
