@@ -72,6 +72,22 @@ def test_bad_options_name_the_flag(change: dict[str, int], words: str) -> None:
         plan_conversations(replace(OPTS, **change))
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--dataset-name", "multiturn", "--num-groups", "100"],
+     "--num-groups (100) cannot exceed --num-conversations (64)"),
+    (["--dataset-name", "multiturn", "--num-prompts", "4"], "--num-prompts is not used by"),
+    (["--dataset-name", "multiturn", "--sweep-concurrency", "1", "2"], "do not apply to"),
+    (["--turn-len", "5", "--metrics-urls", "http://x"],
+     "--turn-len, --metrics-urls: only for --dataset-name multiturn (this run's dataset is "
+     "random)"),
+])
+def test_cli_rejects_bad_multiturn_flags_before_asking_the_server(
+        args: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Port 1 refuses connections: the flags must be refused before any request.
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:1", *args]) == 2
+    assert words in capsys.readouterr().err
+
+
 def test_each_turn_carries_the_history_and_extends_the_previous_prompt() -> None:
     plan = plan_conversations(OPTS)[1]
     answers = [" first answer", " second answer"]

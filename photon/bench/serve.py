@@ -28,7 +28,7 @@ from typing import Any
 from photon.bench.cli import add_cost_args, check_cost_args, cost_fields, require
 from photon.bench.datasets import add_dataset_args, check_dataset_args
 from photon.bench.serve_metrics import aggregate, arrival_offsets, parse_goodput
-from photon.bench.serve_multiturn import add_multiturn_args, run_multiturn
+from photon.bench.serve_multiturn import add_multiturn_args, check_multiturn_args, run_multiturn
 from photon.bench.serve_report import emit, file_stem, print_human, sweep_obj
 from photon.bench.serve_report import log as _log
 
@@ -164,6 +164,7 @@ def _check_args(ns: argparse.Namespace) -> None:
     if ns.random_vocab_size is not None and ns.random_vocab_size < 1:
         raise ValueError(f"--random-vocab-size must be positive, got {ns.random_vocab_size}")
     check_dataset_args(ns)
+    check_multiturn_args(ns)  # before the server is asked anything
     check_cost_args(ns)
     require("aiohttp", "photon bench serve")
     if (ns.sweep or ns.sweep_concurrency) and ns.output_dir:

@@ -56,6 +56,23 @@ def add_multiturn_args(p: argparse.ArgumentParser) -> None:
                         "behind a router; default: --base-url).")
 
 
+_FLAGS = ("num_conversations", "num_turns", "system_prompt_len", "num_groups", "turn_len",
+          "output_len", "metrics_urls")
+
+
+def check_multiturn_args(ns: argparse.Namespace) -> None:
+    """The multi-turn flags are valid with --dataset-name multiturn and absent without it."""
+    if ns.dataset_name == "multiturn":
+        multiturn_options(ns)
+        return
+    defaults = {**vars(MultiTurnOptions()), "metrics_urls": None}
+    given = [f for f in _FLAGS if getattr(ns, f) != defaults[f]]
+    if given:
+        flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        raise ValueError(f"{flags}: only for --dataset-name multiturn (this run's dataset "
+                         f"is {ns.dataset_name})")
+
+
 def multiturn_options(ns: argparse.Namespace) -> MultiTurnOptions:
     """The options of a multiturn run; ValueError for flags that do not apply to it."""
     if ns.num_prompts is not None:
