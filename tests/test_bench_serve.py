@@ -459,6 +459,10 @@ def test_sse_parsing() -> None:
     data = parse_sse_line(b'data: {"choices": [{"text": "a"}]}\n')
     assert chunk_text(data, chat=False) == "a"
     assert chunk_text({"choices": [{"delta": {"role": "assistant"}}]}, chat=True) is None
+    # photon announces the role with empty content before the first token: not a token
+    role = {"choices": [{"delta": {"role": "assistant", "content": ""}}]}
+    assert chunk_text(role, chat=True) is None
+    assert chunk_text({"choices": [{"delta": {"content": ""}}]}, chat=True) == ""  # a token
     assert chunk_text({"choices": [], "usage": {}}, chat=False) is None
 
 

@@ -21,7 +21,9 @@ from photon.router.events import (
     decode_event_batch,
 )
 from photon.router.index import PrefixIndex
+from photon.router.pending import PendingBlocks
 from photon.router.policies import Candidate, PolicyConfig, make_policy
+from photon.router.router import Router, RouterConfig, RouterParts
 from photon.router.subscriber import (
     EventSubscriber,
     SubscriberConfig,
@@ -105,6 +107,90 @@ def test_chain_hash_is_stable_and_prefix_closed() -> None:
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            timeout=60, env={**os.environ, "PYTHONHASHSEED": "123"}, check=True)
     assert other.stdout.strip() == str(hashes)  # the same in every process
+
+
+# ---- pending (in-flight) blocks -------------------------------------------------------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_pending_blocks_count_as_cached_until_the_backend_confirms_them() -> None:
+    clock = FakeClock()
+    index = PrefixIndex(pending_ttl_s=30.0, clock=clock)
+    index.add_pending("a", [1, 2, 3])
+    assert index.overlap([1, 2, 3, 4], ["a", "b"]) == {"a": 3, "b": 0}
+    assert index.num_blocks() == 0 and index.num_pending() == 3  # not held: pending
+    index.apply("a", decode_event_batch(ru.encode([ru.stored([1, 2])])))
+    assert index.pending_of("a") == {3} and index.blocks_of("a") == {1, 2}  # 1, 2 confirmed
+    assert index.overlap([1, 2, 3, 4], ["a"]) == {"a": 3}
+    index.apply("a", decode_event_batch(ru.encode([ru.BlockRemoved([3], None)])))
+    assert index.pending_of("a") == set()
+    assert index.overlap([1, 2, 3], ["a"]) == {"a": 2}
+
+
+def test_pending_blocks_expire_after_their_ttl() -> None:
+    clock = FakeClock()
+    index = PrefixIndex(pending_ttl_s=30.0, clock=clock)
+    index.add_pending("a", [1, 2])
+    clock.now += 29.0
+    index.add_pending("a", [2, 3])  # renewed: 2 and 3 live 30 s from now
+    assert index.overlap([1, 2, 3], ["a"]) == {"a": 3}
+    clock.now += 1.0  # block 1's 30 s are over
+    assert index.overlap([1, 2, 3], ["a"]) == {"a": 0}  # a hole at the first block
+    assert index.overlap([2, 3], ["a"]) == {"a": 2}
+    assert index.num_pending() == 2
+    clock.now += 30.0
+    assert index.num_pending() == 0 and index.overlap([2, 3], ["a"]) == {"a": 0}
+
+
+def test_pending_blocks_go_with_cleared_dropped_or_failed() -> None:
+    index = PrefixIndex(clock=FakeClock())
+    index.add_pending("a", [1, 2])
+    index.add_pending("b", [1, 2])
+    index.apply("a", decode_event_batch(ru.encode([ru.AllBlocksCleared()])))
+    index.drop("b")
+    assert index.overlap([1, 2], ["a", "b"]) == {"a": 0, "b": 0}
+    index.add_pending("a", [1, 2])
+    index.forget_pending("a", [1, 2])
+    assert index.num_pending() == 0
+    with pytest.raises(ValueError, match="TTL must be > 0 seconds, got 0"):
+        PendingBlocks(0)
+
+
+def _prefix_router(clock: FakeClock, ttl_s: float = 30.0) -> Router:
+    config = RouterConfig(backends=("http://a:1", "http://b:1", "http://c:1"),
+                          policy="prefix_aware", pending_ttl_s=ttl_s)
+    return Router(config, RouterParts(clock=clock))
+
+
+def test_concurrent_first_turns_of_a_group_go_to_one_backend() -> None:
+    clock = FakeClock()
+    router = _prefix_router(clock)
+    system = [101, 102, 103, 104]  # the shared system prompt's blocks
+    # Four conversations' first turns, all sent before any backend has stored a block.
+    picks = [router.choose([*system, 200 + i]) for i in range(4)]
+    assert len({d.url for d in picks}) == 1
+    assert [d.cached_blocks for d in picks] == [0, 4, 4, 4]
+    other = router.choose([301, 302, 303])  # another group: no pending blocks anywhere
+    assert other is not None and other.reason == "least_load"
+    clock.now += 31.0  # never confirmed (the requests failed silently): the claim lapses
+    assert router.choose([*system, 999]).cached_blocks == 0
+
+
+def test_a_failed_or_downed_backend_loses_its_pending_blocks() -> None:
+    router = _prefix_router(FakeClock())
+    first = router.choose([1, 2, 3])
+    assert first is not None
+    router.not_sent(first.url, [1, 2, 3])  # it failed there before its first byte
+    assert router.index.num_pending() == 0
+    second = router.choose([1, 2, 3])
+    assert second is not None and router.index.pending_of(second.url) == {1, 2, 3}
+    router.mark_down(second.url, "test")
+    assert router.index.num_pending() == 0
 
 
 # ---- subscriber -----------------------------------------------------------------------------

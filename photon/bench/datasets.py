@@ -26,7 +26,7 @@ from photon.bench.serve_workload import RequestSpec
 if TYPE_CHECKING:
     from photon.bench.serve_tokenizer import TextTokenizer
 
-DATASET_NAMES = ("random", "sharegpt", "standard")
+DATASET_NAMES = ("random", "sharegpt", "standard", "multiturn")
 DATASETS_WITH_PATH = ("sharegpt",)
 MIN_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048
 _COUNT_BATCH = 64  # pairs tokenized concurrently while sampling
@@ -123,7 +123,8 @@ def add_dataset_args(g: Any) -> None:
     g.add_argument("--dataset-name", choices=DATASET_NAMES, default=None,
                    help="random (default: random token ids, --random-*), sharegpt (ShareGPT "
                         "JSON at --dataset-path, as vLLM reads it) or standard (the offline "
-                        "nano-vllm workload: 100-1024 tokens in and out).")
+                        "nano-vllm workload: 100-1024 tokens in and out) or multiturn (chats "
+                        "whose turns carry their history; see the multi-turn flags).")
     g.add_argument("--dataset-path", default=None, metavar="FILE",
                    help="The dataset file of --dataset-name sharegpt.")
     g.add_argument("--sharegpt-output-len", type=int, default=None,

@@ -1,7 +1,8 @@
 """`photon bench serve`: online serving benchmark against an OpenAI-compatible server.
 
 Prompts come from --dataset-name: random token ids (default), sharegpt (--dataset-path, read as
-vLLM reads ShareGPT JSON) or standard. On the chat endpoint a random prompt of N tokens is a
+vLLM reads ShareGPT JSON), standard, or multiturn (chats whose turns carry their history, with
+the servers' prefix hit rate; photon.bench.serve_multiturn). On the chat endpoint a random prompt of N tokens is a
 message whose prompt after the chat template is exactly N tokens (sized with the server's
 /tokenize, or --tokenizer DIR); the report gives the input tokens the server counted.
 Requests arrive by --request-rate (Poisson, or gamma with --burstiness; inf = all at once) and/or
@@ -21,14 +22,15 @@ import asyncio
 import json
 import math
 import os
-import re
-import sys
 from pathlib import Path
 from typing import Any
 
 from photon.bench.cli import add_cost_args, check_cost_args, cost_fields, require
 from photon.bench.datasets import add_dataset_args, check_dataset_args
 from photon.bench.serve_metrics import aggregate, arrival_offsets, parse_goodput
+from photon.bench.serve_multiturn import add_multiturn_args, check_multiturn_args, run_multiturn
+from photon.bench.serve_report import emit, file_stem, print_human, sweep_obj
+from photon.bench.serve_report import log as _log
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 WARMUP_MAX_TOKENS = 16
@@ -43,6 +45,7 @@ def add_parser(bench_sub: Any) -> None:
                              description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     _add_server_args(p)
     _add_workload_args(p)
+    add_multiturn_args(p)
     _add_load_args(p)
     _add_report_args(p)
     p.set_defaults(func=run_serve)
@@ -120,10 +123,6 @@ def _add_report_args(p: argparse.ArgumentParser) -> None:
     add_cost_args(g, num_gpus_flag=True)
 
 
-def _log(msg: str) -> None:
-    print(f"[bench serve] {msg}", file=sys.stderr, flush=True)
-
-
 def run_serve(ns: argparse.Namespace) -> int:
     if ns.plot_from:
         return _plot_only(ns)
@@ -136,16 +135,18 @@ def run_serve(ns: argparse.Namespace) -> int:
         _log(f"cannot use {ns.base_url}/v1/models: {type(e).__name__}: {e} "
              "(is the server up? --wait-server S waits for it)")
         return 1
+    if ns.dataset_name == "multiturn":
+        return run_multiturn(ns, cfg, served, slos)
     ns.random_vocab_size = _vocab_size(ns, served)
     specs = _requests(ns, cfg, pairs)
     _check_fits(specs, served, ns.dataset_name)
-    if not asyncio.run(_warmup(cfg, specs, ns.warmup_requests)):
+    if not asyncio.run(warmup(cfg, specs, ns.warmup_requests)):
         return 1
     loads = _loads(ns)
     points = [_run_point(ns, cfg, specs, rate, conc, slos) for rate, conc in loads]
     if ns.sweep or ns.sweep_concurrency:
         return _finish_sweep(ns, points)
-    _emit(ns, points[0], points)
+    emit(ns, points[0], points)
     return 0
 
 
@@ -163,6 +164,7 @@ def _check_args(ns: argparse.Namespace) -> None:
     if ns.random_vocab_size is not None and ns.random_vocab_size < 1:
         raise ValueError(f"--random-vocab-size must be positive, got {ns.random_vocab_size}")
     check_dataset_args(ns)
+    check_multiturn_args(ns)  # before the server is asked anything
     check_cost_args(ns)
     require("aiohttp", "photon bench serve")
     if (ns.sweep or ns.sweep_concurrency) and ns.output_dir:
@@ -241,7 +243,7 @@ def _requests(ns: argparse.Namespace, cfg: Any, pairs: list[Any] | None) -> list
     return specs
 
 
-async def _warmup(cfg: Any, specs: list[Any], count: int) -> bool:
+async def warmup(cfg: Any, specs: list[Any], count: int) -> bool:
     """Untimed short requests, the first alone and the rest concurrently (a server's first
     batched prefills may compile kernels); False (after logging why) when any fails."""
     from dataclasses import replace
@@ -292,7 +294,7 @@ def _run_point(ns: argparse.Namespace, cfg: Any, specs: list[Any], rate: float,
         from dataclasses import asdict
 
         summary["requests"] = [asdict(r) for r in records]
-    _print_human(summary)
+    print_human(summary)
     if ns.sweep or ns.sweep_concurrency:
         print(json.dumps(summary), flush=True)
     return summary
@@ -317,71 +319,16 @@ def _params(ns: argparse.Namespace, cfg: Any, rate: float, conc: int | None,
     }
 
 
-def _fmt(v: Any) -> str:
-    return f"{v:.2f}" if isinstance(v, float) else str(v)
-
-
-def _print_human(s: dict[str, Any]) -> None:
-    rows = [("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
-            ("Benchmark duration (s)", s["duration_s"]),
-            ("Total input tokens", s["total_input_tokens"]),
-            ("Mean / median input tokens", f"{_fmt(s['mean_input_tokens'])} / "
-                                           f"{_fmt(s['median_input_tokens'])}"),
-            ("Total generated tokens", s["total_output_tokens"]),
-            ("Request throughput (req/s)", s["request_throughput"]),
-            ("Output token throughput (tok/s)", s["output_throughput"]),
-            ("Total token throughput (tok/s)", s["total_token_throughput"])]
-    if s["request_goodput"] is not None:
-        rows.append(("Request goodput (req/s)", s["request_goodput"]))
-    if s["dollars_per_million_output_tokens"] is not None:
-        rows.append(("Cost ($ per 1M output tokens)", s["dollars_per_million_output_tokens"]))
-    if s["spec_mean_acceptance_length"] is not None:
-        rows.append(("Mean acceptance length", s["spec_mean_acceptance_length"]))
-        rows.append(("Acceptance per draft position", " ".join(
-            f"{r:.3f}" for r in s["spec_acceptance_rate_per_pos"])))
-    for name in ("ttft", "tpot", "itl", "e2el"):
-        rows += [(f"{stat.capitalize()} {name.upper()} (ms)", s[f"{stat}_{name}_ms"])
-                 for stat in ("mean", "median", "p90", "p99")]
-    lines = [f"{'=' * 20} serve: {s['label']} {'=' * 20}"]
-    lines += [f"{k:<36}{_fmt(v)}" for k, v in rows]
-    lines += [f"error x{e['count']}: {e['error']}" for e in s["errors"]]
-    print("\n".join(lines), file=sys.stderr, flush=True)
-
-
-def _file_stem(label: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "serve"
-
-
-def _emit(ns: argparse.Namespace, last: dict[str, Any], points: list[dict[str, Any]]) -> None:
-    """Files, then the last stdout line."""
-    line = json.dumps(last)
-    if ns.output_json:
-        Path(ns.output_json).write_text(line + "\n", encoding="utf-8")
-    if ns.output_dir:
-        out = Path(ns.output_dir) / f"{_file_stem(points[0]['label'])}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(last if "points" in last else _sweep_obj(points), indent=1),
-                       encoding="utf-8")
-        _log(f"wrote {out}")
-    print(line, flush=True)
-
-
-def _sweep_obj(points: list[dict[str, Any]]) -> dict[str, Any]:
-    first = points[0]
-    return {"benchmark": "serve_sweep", "label": first["label"], "model": first["model"],
-            "sweep": first["sweep"], "points": points}
-
-
 def _finish_sweep(ns: argparse.Namespace, points: list[dict[str, Any]]) -> int:
     from photon.bench.frontier import DEFAULT_PANELS, plot_frontier
 
-    obj = _sweep_obj(points)
+    obj = sweep_obj(points)
     if ns.output_dir:
-        png = Path(ns.output_dir) / f"{_file_stem(obj['label'])}.png"
+        png = Path(ns.output_dir) / f"{file_stem(obj['label'])}.png"
         obj["plot"] = plot_frontier({obj["label"]: points}, str(png),
                                     ns.plot_panels or DEFAULT_PANELS)
         _log(f"wrote {png}")
-    _emit(ns, obj, points)
+    emit(ns, obj, points)
     return 0
 
 

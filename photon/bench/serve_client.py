@@ -50,7 +50,7 @@ def build_payload(cfg: ClientConfig, spec: RequestSpec) -> dict[str, Any]:
     }
     if cfg.chat:
         text = spec.prompt if isinstance(spec.prompt, str) else ids_to_text(spec.prompt)
-        payload["messages"] = [{"role": "user", "content": text}]
+        payload["messages"] = spec.messages or [{"role": "user", "content": text}]
         payload["max_completion_tokens"] = spec.output_len
     else:
         payload["prompt"] = spec.prompt
@@ -73,7 +73,10 @@ def chunk_text(data: dict[str, Any], chat: bool) -> str | None:
         return None
     choice = choices[0]
     if chat:
-        return (choice.get("delta") or {}).get("content")
+        delta = choice.get("delta") or {}
+        if "role" in delta and not delta.get("content"):
+            return None  # the role announcement a server may send before any token
+        return delta.get("content")
     return choice.get("text")
 
 
@@ -96,7 +99,9 @@ class _Stream:
         # A chunk that carries a choice's text counts as a token arrival even when that text is
         # empty: with a tokenizer that cannot spell every id (random-weight shapes served with
         # photon-tiny's tokenizer), requiring non-empty text would push TTFT to the end.
-        if chunk_text(data, self.chat) is not None:
+        text = chunk_text(data, self.chat)
+        if text is not None:
+            self.record.text += text
             if self.record.ttft is None:
                 self.record.ttft = now - self.sent
             else:

@@ -38,6 +38,7 @@ class RequestRecord:
     latency: float = 0.0
     start: float = 0.0
     error: str = ""
+    text: str = ""  # the generated text, as streamed
 
     def tpot(self) -> float:
         """Seconds per output token after the first; 0 with at most one output token."""

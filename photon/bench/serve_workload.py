@@ -21,10 +21,11 @@ from typing import Any
 from photon.bench.workload import fit_vocab, standard_workload
 
 STANDARD_DATASET = "standard"
-_WORDS = ("the of and to in is it you that he was for on are with as his they be at one have "
-          "this from or had by word but what some we can out other were all there when up use "
-          "your how said an each she which do their time if will way about many then them "
-          "write would like so these her long make thing see him two has look more day").split()
+COMMON_WORDS = ("the of and to in is it you that he was for on are with as his they be at one "
+                "have this from or had by word but what some we can out other were all there "
+                "when up use your how said an each she which do their time if will way about "
+                "many then them write would like so these her long make thing see him two has "
+                "look more day").split()
 
 
 @dataclass
@@ -32,6 +33,7 @@ class RequestSpec:
     prompt: str | list[int]
     output_len: int
     prompt_len: int | None = None  # known for token ids; else from the server's usage
+    messages: list[dict[str, str]] | None = None  # a whole chat (the chat endpoint sends it)
 
 
 def length_bounds(length: int, range_ratio: float) -> tuple[int, int]:
@@ -90,4 +92,4 @@ def load_dataset(path: str, num: int | None) -> list[RequestSpec]:
 
 def ids_to_text(ids: list[int]) -> str:
     """A stand-in text prompt of len(ids) common words (for the chat endpoint)."""
-    return " ".join(_WORDS[t % len(_WORDS)] for t in ids)
+    return " ".join(COMMON_WORDS[t % len(COMMON_WORDS)] for t in ids)

@@ -7,6 +7,7 @@ import signal
 from typing import Any
 
 from photon.router.app import DEFAULT_MAX_BODY
+from photon.router.pending import DEFAULT_PENDING_TTL_S
 from photon.router.policies import POLICIES, PolicyConfig
 
 DESCRIPTION = """Send each OpenAI request to one of several photon (or vLLM) servers.
@@ -50,6 +51,9 @@ def _add_tuning(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance-threshold", type=float, default=d.balance_threshold,
                    help="prefix_aware: load above the least loaded backend's beyond which the "
                         "least loaded one gets the request.")
+    p.add_argument("--pending-ttl", type=float, default=DEFAULT_PENDING_TTL_S, metavar="S",
+                   help="prefix_aware: seconds a routed prompt's blocks count as cached on its "
+                        "backend until that backend's KV events confirm (or remove) them.")
     p.add_argument("--health-interval", type=float, default=1.0, metavar="S",
                    help="Seconds between health checks (a dead backend is out within about "
                         "interval + timeout).")
@@ -72,7 +76,8 @@ def router_config(ns: argparse.Namespace) -> Any:
     for name in ("block_size", "max_request_body_bytes"):
         if getattr(ns, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
-    for name in ("health_interval", "health_timeout", "connect_timeout", "request_timeout"):
+    for name in ("health_interval", "health_timeout", "connect_timeout", "request_timeout",
+                 "pending_ttl"):
         if not getattr(ns, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(ns, name)}")
     if ns.prefix_weight < 0 or ns.balance_threshold < 0:
@@ -83,7 +88,7 @@ def router_config(ns: argparse.Namespace) -> Any:
         kv_events=tuple(ns.kv_events or ()), block_size=ns.block_size,
         health_interval_s=ns.health_interval, health_timeout_s=ns.health_timeout,
         connect_timeout_s=ns.connect_timeout, request_timeout_s=ns.request_timeout,
-        scrape_metrics=ns.scrape_metrics)
+        scrape_metrics=ns.scrape_metrics, pending_ttl_s=ns.pending_ttl)
 
 
 def _local_tokenizer(name: str | None) -> Any:

@@ -62,6 +62,7 @@ async def forward(router: Router, path: str, raw: bytes, body: dict[str, Any],
                                 stream=body.get("stream") is True)
         if isinstance(result, Response):
             return result
+        router.not_sent(decision.url, hashes)
         failed.append(result)
     return _no_backend(failed)
 

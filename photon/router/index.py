@@ -1,6 +1,8 @@
-"""PrefixIndex: block hash -> the backends that hold that block, fed by KV events.
+"""PrefixIndex: block hash -> the backends that hold that block, fed by KV events, plus the
+blocks the router has just sent to a backend and that its events have not confirmed yet
+(`PendingBlocks`: in-flight routing counts as cached until confirmed, removed or expired).
 
-One lock guards both maps; every method does in-memory work only, so the lock is never held
+One lock guards the maps; every method does in-memory work only, so the lock is never held
 across I/O (event subscribers decode outside it, the HTTP path tokenizes and hashes outside it).
 Invariant: `b in _where[h]` iff `h in _held[b]`.
 """
@@ -8,7 +10,8 @@ Invariant: `b in _where[h]` iff `h in _held[b]`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 from photon.router.events import (
     AllBlocksCleared,
@@ -17,21 +20,27 @@ from photon.router.events import (
     BlockStored,
     KVEventBatch,
 )
+from photon.router.pending import DEFAULT_PENDING_TTL_S, PendingBlocks
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
+    def __init__(self, pending_ttl_s: float = DEFAULT_PENDING_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
         self._where: dict[BlockKey, set[str]] = {}
         self._held: dict[str, set[BlockKey]] = {}
+        self._pending = PendingBlocks(pending_ttl_s)
+        self._clock = clock
 
     def apply(self, backend: str, batch: KVEventBatch) -> None:
         with self._lock:
             for event in batch.events:
                 if isinstance(event, BlockStored):
                     self._store(backend, event.block_hashes)
+                    self._pending.discard(backend, event.block_hashes)  # confirmed
                 elif isinstance(event, BlockRemoved):
                     self._remove(backend, event.block_hashes)
+                    self._pending.discard(backend, event.block_hashes)
                 elif isinstance(event, AllBlocksCleared):
                     self._clear(backend)
 
@@ -40,9 +49,22 @@ class PrefixIndex:
             self._store(backend, hashes)
 
     def drop(self, backend: str) -> None:
-        """Forget everything `backend` holds (it went down, restarted, or lost events)."""
+        """Forget everything `backend` holds or has pending (it went down, restarted, or lost
+        events)."""
         with self._lock:
             self._clear(backend)
+
+    def add_pending(self, backend: str, hashes: Iterable[BlockKey]) -> None:
+        """`backend` is about to prefill the chain `hashes`: count its blocks as held there
+        until its events confirm them or the TTL passes."""
+        now = self._clock()
+        with self._lock:
+            self._pending.add(backend, hashes, now)
+
+    def forget_pending(self, backend: str, hashes: Iterable[BlockKey]) -> None:
+        """The request carrying `hashes` never reached `backend` (it failed before a byte)."""
+        with self._lock:
+            self._pending.discard(backend, hashes)
 
     def _store(self, backend: str, hashes: Iterable[BlockKey]) -> None:
         held = self._held.setdefault(backend, set())
@@ -60,6 +82,7 @@ class PrefixIndex:
                 self._unlink(h, backend)
 
     def _clear(self, backend: str) -> None:
+        self._pending.clear(backend)
         for h in self._held.pop(backend, set()):
             self._unlink(h, backend)
 
@@ -70,14 +93,16 @@ class PrefixIndex:
             del self._where[h]
 
     def overlap(self, hashes: Sequence[BlockKey], backends: Sequence[str]) -> dict[str, int]:
-        """For each of `backends`: how many leading blocks of the chain `hashes` it holds (a
-        prefix cache can only reuse an unbroken run from the first block)."""
+        """For each of `backends`: how many leading blocks of the chain `hashes` it holds or has
+        pending (a prefix cache can only reuse an unbroken run from the first block)."""
         matched = dict.fromkeys(backends, 0)
         alive = set(backends)
+        now = self._clock()
         with self._lock:
             for i, h in enumerate(hashes):
                 owners = self._where.get(h, ())
-                for b in [b for b in alive if b not in owners]:
+                for b in [b for b in alive
+                          if b not in owners and not self._pending.holds(b, h, now)]:
                     alive.discard(b)
                     matched[b] = i
                 if not alive:
@@ -92,6 +117,19 @@ class PrefixIndex:
         with self._lock:
             return len(self._where)
 
+    def num_pending(self) -> int:
+        """Pending (backend, block) entries, expired ones purged first."""
+        now = self._clock()
+        with self._lock:
+            self._pending.expire(now)
+            return self._pending.count()
+
     def blocks_of(self, backend: str) -> set[BlockKey]:
+        """The blocks `backend`'s events say it holds (pending ones not included)."""
         with self._lock:
             return set(self._held.get(backend, ()))
+
+    def pending_of(self, backend: str) -> set[BlockKey]:
+        now = self._clock()
+        with self._lock:
+            return self._pending.of(backend, now)

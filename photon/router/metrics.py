@@ -26,7 +26,8 @@ class RouterMetrics:
                                      "Full prompt blocks of routed requests (prefix_aware).",
                                      registry=r)
         self.hit_blocks = Counter("photon_router:hit_blocks",
-                                  "Prompt blocks already cached on the chosen backend.",
+                                  "Prompt blocks already cached (or pending from a routed "
+                                  "request) on the chosen backend.",
                                   registry=r)
         self.healthy = Gauge("photon_router:backend_healthy", "1 when the backend is up.",
                              ["backend"], registry=r)
@@ -34,6 +35,9 @@ class RouterMetrics:
                                  "Requests in flight to the backend.", ["backend"], registry=r)
         self.index_blocks = Gauge("photon_router:index_blocks",
                                   "Distinct KV block hashes in the prefix index.", registry=r)
+        self.pending_blocks = Gauge("photon_router:index_pending_blocks",
+                                    "Blocks routed to a backend that its KV events have not "
+                                    "confirmed yet (they count as cached there).", registry=r)
         self.event_batches = Gauge("photon_router:kv_event_batches",
                                    "KV event batches applied, per backend.", ["backend"],
                                    registry=r)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from photon.router.hashing import BlockHasher, default_block_hasher
 from photon.router.health import probe_health, probe_load
 from photon.router.index import PrefixIndex
 from photon.router.metrics import RouterMetrics
+from photon.router.pending import DEFAULT_PENDING_TTL_S
 from photon.router.policies import Candidate, Decision, PolicyConfig, make_policy
 from photon.router.prompts import BackendTokenizer, PromptTokenizer
 from photon.router.subscriber import EventSubscriber, SubscriberConfig, replay_endpoint_for
@@ -42,6 +44,9 @@ class RouterConfig:
     request_timeout_s: float = 600.0  # the longest wait for the next byte of a response
     tokenize_timeout_s: float = 5.0
     scrape_metrics: bool = True  # refresh loads from the backends' /metrics gauges
+    # prefix_aware: how long a routed prompt's blocks count as cached on its backend before
+    # that backend's events confirm them
+    pending_ttl_s: float = DEFAULT_PENDING_TTL_S
 
 
 def _explicit_events(config: RouterConfig) -> dict[str, str]:
@@ -60,6 +65,7 @@ class RouterParts:
     tokenizer: PromptTokenizer | None = None  # default: the backends' /tokenize
     hasher: BlockHasher | None = None
     decoder: EventDecoder = decode_event_batch
+    clock: Callable[[], float] = time.monotonic  # the pending blocks' expiry clock
 
 
 class Router:
@@ -72,7 +78,7 @@ class Router:
         if not urls:
             raise ValueError("no backends: give --backends URL... or --backends-file PATH")
         self.pool = BackendPool(urls, _explicit_events(config))
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(config.pending_ttl_s, parts.clock)
         self.policy = make_policy(config.policy, config.policy_config)
         self.metrics = RouterMetrics()
         self.hasher = parts.hasher or default_block_hasher()
@@ -218,10 +224,17 @@ class Router:
         if self.policy.uses_prefix:
             self.metrics.prompt_blocks.inc(len(hashes))
             self.metrics.hit_blocks.inc(decision.cached_blocks)
+            # In flight counts as cached: the next request sharing this prefix follows it.
+            self.index.add_pending(decision.url, hashes)
         return decision
+
+    def not_sent(self, url: str, hashes: Sequence[BlockKey]) -> None:
+        """The request chosen for `url` failed there before its first byte."""
+        self.index.forget_pending(url, hashes)
 
     def refresh_metrics(self, m: RouterMetrics) -> None:
         m.index_blocks.set(self.index.num_blocks())
+        m.pending_blocks.set(self.index.num_pending())
         for backend in self.pool:
             m.healthy.labels(backend.url).set(1 if backend.healthy else 0)
             m.outstanding.labels(backend.url).set(backend.outstanding)
