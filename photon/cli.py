@@ -1,5 +1,5 @@
-"""`photon` command line: generate, serve, bench, router, proxy (more subcommands register themselves
-in SUBCOMMANDS).
+"""`photon` command line: generate, serve, bench, router, proxy, quantize (more subcommands
+register themselves in SUBCOMMANDS).
 
 Every usage error is one line, `photon SUBCOMMAND: error: ...`, with exit code 2; `--help` lists each
 option's default and the allowed values of choice options.
@@ -145,8 +145,14 @@ def _add_proxy(sub: Any) -> None:
     add_proxy(sub)
 
 
+def _add_quantize(sub: Any) -> None:
+    from photon.quant.cli import add_quantize
+
+    add_quantize(sub)
+
+
 SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_serve, _add_bench, _add_router,
-                                             _add_proxy]
+                                             _add_proxy, _add_quantize]
 
 
 def build_parser() -> CLIParser:

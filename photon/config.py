@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from photon.generation_config import GenerationDefaults
     from photon.kv_events.config import KVEventsConfig
     from photon.kv_transfer.config import KVTransferConfig
+    from photon.quant.config import QuantConfig
     from photon.spec.config import SpeculativeConfig
 
 _DTYPES = {
@@ -53,6 +54,9 @@ class ModelConfig:
     # The layers run photon.kernels' Triton kernels on CUDA tensors (else the torch ops).
     # create_config: on CUDA when triton imports, unless the environment has PHOTON_TRITON=0.
     use_triton: bool = False
+    # The linear layers' quantization (--quantization, or the checkpoint's quantization_config);
+    # None: unquantized.
+    quant_config: QuantConfig | None = None
 
     @property
     def num_layers(self) -> int:
@@ -279,6 +283,13 @@ class EngineArgs:
     load_format: str = field(default="auto", metadata=_help(
         "auto: read *.safetensors; dummy: random weights of the model's shape (benchmarks).",
         _LOAD_FORMATS))
+    quantization: str | None = field(default=None, metadata=_help(
+        "Quantize the linear layers: fp8 = FP8 (e4m3) weights with per-channel scales made at "
+        "load time from a bf16/fp32 checkpoint, activations quantized per token (CUDA: compute "
+        "capability 8.9+). compressed-tensors checkpoints (FP8 / INT8 W8A8, W4A16, W8A16; "
+        "written by llm-compressor or `photon quantize`) are detected from their config.json. "
+        "Embeddings and the LM head stay unquantized. Default: none.",
+        ("fp8", "compressed-tensors")))
     revision: str | None = field(default=None, metadata=_help(
         "The hub model's branch, tag or commit. Default: main."))
     download_dir: str | None = field(default=None, metadata=_help(
@@ -377,6 +388,7 @@ class EngineArgs:
         arch = architecture(hf_config)
         check_required_fields(hf_config, model_dir)
         device = _resolve_device(self.device)
+        use_triton = resolve_use_triton(device)
         model_config = ModelConfig(
             model=model_dir,
             hf_config=hf_config,
@@ -388,7 +400,8 @@ class EngineArgs:
             served_model_name=self.served_model_name or _default_name(self.model, model_dir),
             load_format=_check_choice("load_format", self.load_format, _LOAD_FORMATS),
             generation_defaults=load_generation_defaults(self.generation_config, model_dir),
-            use_triton=resolve_use_triton(device),
+            use_triton=use_triton,
+            quant_config=_quant_config(self.quantization, hf_config, arch, device, use_triton),
         )
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -495,6 +508,13 @@ def _reasoning_parser(name: str | None) -> str | None:
         return get_reasoning_parser(name).name
     except ValueError as e:
         raise ConfigError(f"reasoning_parser: {e}") from None
+
+
+def _quant_config(quantization: str | None, hf_config: dict[str, Any], arch: str, device: str,
+                  use_triton: bool) -> QuantConfig | None:
+    from photon.quant.config import resolve_quant_config
+
+    return resolve_quant_config(quantization, hf_config, arch, device, use_triton)
 
 
 def _speculative_config(value: object) -> SpeculativeConfig | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +33,10 @@ from photon.model.layers import (
     get_rope,
 )
 
+if TYPE_CHECKING:
+    from photon.quant.base import LinearMethod
+    from photon.quant.config import QuantConfig
+
 
 @dataclass(frozen=True)
 class DecoderFlags:
@@ -42,20 +46,33 @@ class DecoderFlags:
     mlp_bias: bool
 
 
+def linear_method(quant: QuantConfig | None, prefix: str, packed: str,
+                  *members: str) -> LinearMethod | None:
+    """The quantization method of linear `prefix + packed`, which packs the checkpoint's
+    modules `members` (None: unquantized)."""
+    if quant is None:
+        return None
+    return quant.linear_method(prefix + packed, tuple(prefix + m for m in members))
+
+
 def head_dim_of(cfg: dict[str, Any]) -> int:
     return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
 
 
 class DecoderAttention(nn.Module):
     def __init__(self, cfg: dict[str, Any], layer_idx: int, flags: DecoderFlags,
-                 use_triton: bool, tp: TPGroup | None = None) -> None:
+                 use_triton: bool, tp: TPGroup | None = None,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
         head_dim = head_dim_of(cfg)
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads,
-                                          bias=flags.qkv_bias, tp=tp)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=flags.o_bias, tp=tp)
+        prefix = f"model.layers.{layer_idx}.self_attn."
+        self.qkv_proj = QKVParallelLinear(
+            hidden, head_dim, num_heads, num_kv_heads, bias=flags.qkv_bias, tp=tp,
+            quant=linear_method(quant, prefix, "qkv_proj", "q_proj", "k_proj", "v_proj"))
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=flags.o_bias, tp=tp,
+                                        quant=linear_method(quant, prefix, "o_proj", "o_proj"))
         eps = float(cfg.get("rms_norm_eps", 1e-6))
         self.q_norm = RMSNorm(head_dim, eps, use_triton) if flags.qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, use_triton) if flags.qk_norm else None
@@ -77,15 +94,21 @@ class DecoderAttention(nn.Module):
 
 class DecoderMLP(nn.Module):
     def __init__(self, cfg: dict[str, Any], flags: DecoderFlags, use_triton: bool,
-                 tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None, quant: QuantConfig | None = None,
+                 prefix: str = "") -> None:
+        """prefix: the checkpoint's name of this MLP with a trailing dot (model.layers.0.mlp.),
+        which names its linears for `quant`."""
         super().__init__()
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"unsupported hidden_act {act!r} (only silu)")
         hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=flags.mlp_bias,
-                                                       tp=tp)
-        self.down_proj = RowParallelLinear(inter, hidden, bias=flags.mlp_bias, tp=tp)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [inter, inter], bias=flags.mlp_bias, tp=tp,
+            quant=linear_method(quant, prefix, "gate_up_proj", "gate_proj", "up_proj"))
+        self.down_proj = RowParallelLinear(
+            inter, hidden, bias=flags.mlp_bias, tp=tp,
+            quant=linear_method(quant, prefix, "down_proj", "down_proj"))
         self.act_fn = SiluAndMul(use_triton)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,10 +121,11 @@ MlpFactory = Callable[[int], nn.Module]
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: dict[str, Any], layer_idx: int, flags: DecoderFlags,
-                 use_triton: bool, mlp: nn.Module, tp: TPGroup | None = None) -> None:
+                 use_triton: bool, mlp: nn.Module, tp: TPGroup | None = None,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         eps, hidden = float(cfg.get("rms_norm_eps", 1e-6)), int(cfg["hidden_size"])
-        self.self_attn = DecoderAttention(cfg, layer_idx, flags, use_triton, tp)
+        self.self_attn = DecoderAttention(cfg, layer_idx, flags, use_triton, tp, quant)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden, eps, use_triton)
         self.post_attention_layernorm = RMSNorm(hidden, eps, use_triton)
@@ -121,12 +145,13 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: dict[str, Any], flags: DecoderFlags, use_triton: bool,
-                 make_mlp: MlpFactory, tp: TPGroup | None = None) -> None:
+                 make_mlp: MlpFactory, tp: TPGroup | None = None,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(int(cfg["vocab_size"]), int(cfg["hidden_size"]),
                                                    tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, flags, use_triton, make_mlp(i), tp)
+            DecoderLayer(cfg, i, flags, use_triton, make_mlp(i), tp, quant)
             for i in range(int(cfg["num_hidden_layers"])))
         self.norm = RMSNorm(int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6)),
                             use_triton)
@@ -171,10 +196,11 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype,
                  device: torch.device | str, use_triton: bool = False,
-                 tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None, quant_config: QuantConfig | None = None) -> None:
         """use_triton: the layers run photon.kernels' Triton kernels on CUDA tensors (else the
         torch ops; ModelConfig.use_triton says which). tp: this rank's tensor-parallel group
-        (None: one rank); the layers hold and load only the rank's shards."""
+        (None: one rank); the layers hold and load only the rank's shards. quant_config: the
+        linear layers' quantization (None: unquantized); embeddings and LM head never are."""
         super().__init__()
         self.hf_config = hf_config
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
@@ -184,7 +210,8 @@ class LlamaForCausalLM(nn.Module):
         with _default_dtype(dtype), torch.device(device):
             self.model = DecoderModel(
                 hf_config, flags, use_triton,
-                lambda i: self.make_mlp(hf_config, i, flags, use_triton, tp), tp)
+                lambda i: self.make_mlp(hf_config, i, flags, use_triton, tp, quant_config),
+                tp, quant_config)
             self.lm_head = ParallelLMHead(int(hf_config["vocab_size"]),
                                           int(hf_config["hidden_size"]), tp)
         if self.tie_word_embeddings:
@@ -192,9 +219,10 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def make_mlp(cfg: dict[str, Any], layer_idx: int, flags: DecoderFlags,
-                 use_triton: bool, tp: TPGroup | None = None) -> nn.Module:
+                 use_triton: bool, tp: TPGroup | None = None,
+                 quant: QuantConfig | None = None) -> nn.Module:
         """Layer `layer_idx`'s MLP; the MoE families return their sparse block where it applies."""
-        return DecoderMLP(cfg, flags, use_triton, tp)
+        return DecoderMLP(cfg, flags, use_triton, tp, quant, f"model.layers.{layer_idx}.mlp.")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:

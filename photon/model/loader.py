@@ -39,8 +39,14 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
+def _keeps_dtype(name: str, tensor: torch.Tensor) -> bool:
+    """Quantized checkpoints' FP8 weights and float32 scales are read as stored."""
+    return tensor.element_size() == 1 or name.endswith("_scale")
+
+
 def iter_weights(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor, one at a time; floating tensors are cast to dtype."""
+    """(name, tensor) for every tensor, one at a time; floating tensors are cast to dtype,
+    except FP8 tensors and quantization scales (`*_scale`)."""
     for path in files:
         try:
             f = safe_open(path, framework="pt", device="cpu")
@@ -49,7 +55,7 @@ def iter_weights(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, to
         with f:
             for name in f.keys():
                 tensor = f.get_tensor(name)
-                if tensor.is_floating_point():
+                if tensor.is_floating_point() and not _keeps_dtype(name, tensor):
                     tensor = tensor.to(dtype)
                 yield name, tensor
 
@@ -65,6 +71,8 @@ def load_model(model_config: ModelConfig, device: str, tp: TPGroup | None = None
     parallel: dict[str, object] = {"tp": tp} if tp is not None and tp.size > 1 else {}
     if parallel and expert_parallel:
         parallel["expert_parallel"] = True
+    if model_config.quant_config is not None:
+        parallel["quant_config"] = model_config.quant_config
     with torch_device:
         model = cls(model_config.hf_config, model_config.dtype, torch_device,
                     use_triton=model_config.use_triton, **parallel)
@@ -72,6 +80,7 @@ def load_model(model_config: ModelConfig, device: str, tp: TPGroup | None = None
         _init_dummy(model, model_config.seed)
     else:
         _load_checkpoint(model, model_config)
+    _process_quantized(model)
     model.eval()
     model.requires_grad_(False)
     return model
@@ -86,15 +95,36 @@ def _load_checkpoint(model: nn.Module, model_config: ModelConfig) -> None:
         raise ConfigError(f"checkpoint in {model_config.model!r} is missing weights: {shown}")
 
 
+def _process_quantized(model: nn.Module) -> None:
+    """Each quantized linear's method finishes its weights (online FP8 quantizes them here)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights(module)
+
+
 @torch.no_grad()
 def _init_dummy(model: nn.Module, seed: int) -> None:
     """load_format="dummy" (vLLM's name): random weights of the right shapes, no checkpoint read.
-    For benchmarks of model shapes; matrices ~N(0, 0.02), norms 1, biases 0."""
+    For benchmarks of model shapes; matrices ~N(0, 0.02), norms 1, biases 0; quantized integer
+    tensors uniform over their dtype, FP8 weights ~N(0, 0.02) cast to FP8."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if param.dim() >= 2:
+        if not param.is_floating_point() or param.element_size() == 1:
+            _init_dummy_quantized(param, gen)
+        elif param.dim() >= 2:
             param.normal_(0.0, 0.02, generator=gen)
         elif name.endswith("bias"):
             param.zero_()
         else:
             param.fill_(1.0)
+
+
+def _init_dummy_quantized(param: nn.Parameter, gen: torch.Generator) -> None:
+    if param.is_floating_point():  # FP8
+        param.copy_(torch.empty(param.shape, device=param.device).normal_(0.0, 0.02,
+                                                                           generator=gen))
+        return
+    info = torch.iinfo(param.dtype)
+    param.copy_(torch.randint(info.min, info.max, param.shape, generator=gen,
+                              device=param.device, dtype=torch.int64).to(param.dtype))

@@ -90,7 +90,9 @@ class MoEForCausalLM(LlamaForCausalLM):
         return True
 
     def make_mlp(self, cfg: dict[str, Any], layer_idx: int, flags: DecoderFlags,
-                 use_triton: bool, tp: TPGroup | None = None) -> nn.Module:
+                 use_triton: bool, tp: TPGroup | None = None,
+                 quant: object = None) -> nn.Module:
+        # quant: always None here (photon.quant.config refuses to quantize the MoE families).
         if not self.is_sparse_layer(cfg, layer_idx):
             return super().make_mlp(cfg, layer_idx, flags, use_triton, tp)
         if cfg.get("hidden_act", "silu") != "silu":

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from photon.config import ConfigError, EngineConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from photon.quant.config import QuantConfig
 
 FLAG = "speculative_config (--speculative-config)"
 
@@ -37,7 +41,19 @@ def draft_model_config(config: EngineConfig) -> ModelConfig:
     _check_positions(target, hf_config)
     return replace(target, model=model_dir, hf_config=hf_config, architecture=arch,
                    served_model_name=os.path.basename(model_dir.rstrip("/")),
-                   generation_defaults=None)
+                   generation_defaults=None, quant_config=_draft_quant(config, hf_config, arch))
+
+
+def _draft_quant(config: EngineConfig, hf_config: dict, arch: str) -> QuantConfig | None:
+    """The draft is quantized only as its own checkpoint says (--quantization is the
+    target's)."""
+    from photon.quant.config import resolve_quant_config
+
+    try:
+        return resolve_quant_config(None, hf_config, arch, config.device,
+                                    config.model.use_triton)
+    except ConfigError as e:
+        raise ConfigError(f"{FLAG}: draft model: {e}") from None
 
 
 def _check_vocab(target: ModelConfig, hf_config: dict, model_dir: str) -> None:
