@@ -15,6 +15,7 @@ from photon.bench.spec_report import (
     Cell,
     SpecSetting,
     StepRecorder,
+    draft_share,
     expected_tokens,
     fill_speedups,
     settings,
@@ -74,6 +75,18 @@ def test_predicted_speedup_fixed_and_adaptive() -> None:
     assert adaptive.predicted_speedup == pytest.approx(1.6 / 1.2)
 
 
+def test_rows_without_drafts_lower_the_prediction() -> None:
+    """An ngram cell whose rows had drafts in half of their row-steps: E' = (E + 1) / 2."""
+    cells = [_cell(NO_SPEC, 0, False, 100.0, {0: 1.0}),
+             _cell("ngram", 2, False, 120.0, {2: 1.5}, [0.8, 0.5])]
+    k2 = cells[1]
+    # 100 output tokens, 26 accepted drafts: 74 row-steps, 37 of them with drafts
+    k2.num_drafts, k2.num_accepted_tokens = 37, 26
+    assert draft_share(k2) == pytest.approx(0.5)
+    fill_speedups(cells)
+    assert k2.predicted_speedup == pytest.approx((0.5 * 2.3 + 0.5) / 1.5)
+
+
 def test_matrix_and_speculative_configs() -> None:
     matrix = settings(["ngram", "draft_model"], [1, 3], [3, 5])
     assert matrix == [SpecSetting(NO_SPEC)] + [
@@ -128,7 +141,7 @@ def test_cli_small_matrix(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     code = main(["bench", "spec", "--model", PHOTON_TINY, "--draft", PHOTON_TINY_DRAFT,
                  "--device", "cpu", "--batch-sizes", *map(str, BATCH_SIZES),
                  "--num-speculative-tokens", *map(str, KS), "--adaptive-num-speculative-tokens", "2",
-                 "--input-len", "16",
+                 "--input-len", "16", "--requests-per-slot", "2",
                  "--output-len", str(OUTPUT_LEN), "--warmup-tokens", "2",
                  "--output-json", str(out_json)])
     out, err = capsys.readouterr()
@@ -144,7 +157,9 @@ def test_cli_small_matrix(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
         for b in BATCH_SIZES}
     assert set(cells) == want and len(summary["cells"]) == len(want)
     for (method, k, _, b), c in cells.items():
-        assert c["output_tokens"] == b * OUTPUT_LEN and c["output_tokens_per_s"] > 0
+        # 2 x B requests, B at a time: decode steps of exactly B rows were timed
+        assert c["output_tokens"] == 2 * b * OUTPUT_LEN and c["output_tokens_per_s"] > 0
+        assert c["step_time_s"]
         if method == NO_SPEC:
             assert c["speedup"] == 1.0 and c["mean_acceptance_length"] is None
             assert c["acceptance_rate_per_pos"] is None and c["predicted_speedup"] is None

@@ -1,9 +1,11 @@
 """`photon bench spec`: speculative decoding against no speculation, by batch size, K and method.
 
 For each engine setting (no speculation; each method x K x adaptive off/on) one engine is built
-and reused for every batch size B, smallest first: B concurrent greedy requests (EOS ignored,
-`--output-len` tokens each) in one `LLM.generate` call, after a warm-up generate of the same B
-requests with `--warmup-tokens` tokens. Reusing the engine across B does not change what is
+and reused for every batch size B, smallest first: N x B greedy requests (EOS ignored,
+`--output-len` tokens each, N = `--requests-per-slot`) in one `LLM.generate` call with at most B
+running at once, after a warm-up generate of B requests with `--warmup-tokens` tokens. Requests
+finish at different steps when speculating (their acceptance differs); refilling the batch keeps
+it at B, as a server's would be, instead of ending every cell with a tail of a few slow rows. Reusing the engine across B does not change what is
 measured: prefix caching is off (the same prompts return at every B and in the warm-up, and a
 cache hit would skip their prefill), and greedy tokens do not depend on the engine's history. The
 one state that carries over is the adaptive switch's (its measured step times per batch-size
@@ -73,6 +75,10 @@ def add_parser(bench_sub: Any) -> None:
     g.add_argument("--input-len", type=int, default=128, help="Prompt tokens (default 128).")
     g.add_argument("--output-len", type=int, default=128,
                    help="Output tokens per request (default 128).")
+    g.add_argument("--requests-per-slot", type=int, default=4, metavar="N",
+                   help="Each cell runs N x B requests, at most B at a time: a finished request's "
+                        "place is taken by the next, so the batch stays at B until the last B "
+                        "(default 4; 1: one batch of B that ends with its slowest request).")
     g.add_argument("--warmup-tokens", type=int, default=16,
                    help="Output tokens of each warm-up request (0: no warm-up; default 16).")
     g.add_argument("--prompt-seed", type=int, default=0,
@@ -109,6 +115,8 @@ def _check_args(ns: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be at least 1, got {values}")
     if not ns.batch_sizes:
         raise ValueError("--batch-sizes needs at least one batch size")
+    if ns.requests_per_slot < 1:
+        raise ValueError(f"--requests-per-slot must be at least 1, got {ns.requests_per_slot}")
     if max(ns.batch_sizes) > ns.max_num_seqs:
         raise ValueError(f"--batch-sizes {max(ns.batch_sizes)} exceeds --max-num-seqs "
                          f"{ns.max_num_seqs}: raise --max-num-seqs")
@@ -129,7 +137,7 @@ def run_spec(ns: argparse.Namespace) -> int:
     errors: list[dict[str, str]] = []
     with tempfile.TemporaryDirectory(prefix="photon-bench-") as workdir:
         args = _engine_args(bench_engine_args(ns, workdir), ns)
-        prompts, source = _prompts(ns, args, max(batch_sizes))
+        prompts, source = _prompts(ns, args, ns.requests_per_slot * max(batch_sizes))
         for setting in matrix:
             try:
                 cells += _run_setting(args, setting, ns, prompts, batch_sizes)
@@ -210,7 +218,8 @@ def _run_setting(args: Any, setting: SpecSetting, ns: argparse.Namespace,
     llm, recorder = _build(args, setting, ns.draft)
     _log(f"engine {setting.label}: built in {time.perf_counter() - start:.1f} s")
     try:
-        return [_run_cell(llm, recorder, setting, prompts[:b], ns) for b in batch_sizes]
+        n = ns.requests_per_slot
+        return [_run_cell(llm, recorder, setting, prompts[:n * b], b, ns) for b in batch_sizes]
     finally:
         del llm
         _free_memory()
@@ -242,10 +251,10 @@ def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> int:
 
 
 def _run_cell(llm: Any, recorder: StepRecorder, setting: SpecSetting,
-              prompts: list[list[int]], ns: argparse.Namespace) -> Cell:
-    b = len(prompts)
+              prompts: list[list[int]], b: int, ns: argparse.Namespace) -> Cell:
+    llm.engine.scheduler.max_running = b
     if ns.warmup_tokens:
-        _generate(llm, prompts, ns.warmup_tokens)
+        _generate(llm, prompts[:b], ns.warmup_tokens)
     recorder.commits.clear()
     before = llm.engine.spec_stats()
     _sync(llm)
@@ -253,8 +262,9 @@ def _run_cell(llm: Any, recorder: StepRecorder, setting: SpecSetting,
     got = _generate(llm, prompts, ns.output_len)
     _sync(llm)
     elapsed = time.perf_counter() - start
-    if got != b * ns.output_len:
-        raise RuntimeError(f"generated {got} output tokens, the cell asked for {b * ns.output_len}")
+    if got != len(prompts) * ns.output_len:
+        raise RuntimeError(f"generated {got} output tokens, the cell asked for "
+                           f"{len(prompts) * ns.output_len}")
     step_time, steps = summarize_steps(recorder, b)
     cell = Cell(setting.method, setting.k, setting.adaptive, b, got, elapsed, got / elapsed,
                 step_time, steps)

@@ -4,11 +4,13 @@ A cell is one (method, K, adaptive, B) run. Its speedup is its output tokens/s o
 speculation cell's at the same B (same run). Its predicted speedup is the cost model's
 (photon/spec/adaptive.py) from the cell's measured acceptance and the run's measured step times:
 
-    fixed K:   E(K) / T(B, K)  over  1 / T(B, 0)
-    adaptive:  max over k in 0..K of E(k) / T(B, k)  over  1 / T(B, 0)
+    fixed K:   E'(K) / T(B, K)  over  1 / T(B, 0)
+    adaptive:  max over k in 0..K of E'(k) / T(B, k)  over  1 / T(B, 0)
 
-E(k) = 1 + a_0 + ... + a_{k-1} with a_j the cell's acceptance rate at draft position j (the
-engine's definition: accepted at j / draft runs), T(B, k) the median time between consecutive
+E'(k) = p E(k) + (1 - p): a share p of the row-steps had drafts (`draft_share`; an ngram row
+without a match emits one token) and emit E(k) = 1 + a_0 + ... + a_{k-1} tokens, with a_j the
+cell's acceptance rate at draft position j (the engine's definition: accepted at j / draft
+runs). T(B, k) the median time between consecutive
 committed decode steps of B rows: T(B, 0) from the no-speculation cell, T(B, k) from the fixed
 K = k cell of the same method (the adaptive cell's own steps at K_eff = k when that cell is
 missing). The adaptive prediction is what its switch would get if it always picked the best k.
@@ -142,14 +144,27 @@ def _step_time(cells: dict[tuple[SpecSetting, int], Cell], cell: Cell, k: int) -
     return cell.step_time_s.get(k)
 
 
+def draft_share(cell: Cell) -> float:
+    """The share of the cell's row-steps that had drafts to verify (an ngram row without a
+    match emits one token): each row-step emits 1 + its accepted drafts, so the row-steps are
+    the output tokens minus the accepted ones."""
+    if cell.num_drafts is None:  # not counted: every row-step had drafts
+        return 1.0
+    if cell.num_drafts == 0:
+        return 0.0
+    row_steps = cell.output_tokens - (cell.num_accepted_tokens or 0)
+    return min(1.0, cell.num_drafts / row_steps) if row_steps > 0 else 1.0
+
+
 def predicted_speedup(cells: dict[tuple[SpecSetting, int], Cell], cell: Cell) -> float | None:
     """The cost model's speedup for `cell` (module doc); None when a step time is missing."""
     t0 = _step_time(cells, cell, 0)
     rates = cell.acceptance_rate_per_pos
     if t0 is None or rates is None:
         return None
+    p = draft_share(cell)
     ks = range(cell.k + 1) if cell.adaptive else (cell.k,)
-    pairs = [(expected_tokens(rates, k), _step_time(cells, cell, k)) for k in ks]
+    pairs = [(p * expected_tokens(rates, k) + 1.0 - p, _step_time(cells, cell, k)) for k in ks]
     known = [e * t0 / t for e, t in pairs if t]
     return max(known) if known else None
 

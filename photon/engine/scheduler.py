@@ -69,6 +69,9 @@ class Scheduler:
         # Chooses each step's K_eff (photon.spec.adaptive); None: every step verifies K.
         self.spec_policy: SpecPolicy | None = None
         self.max_model_len = max_model_len
+        # Requests admitted into the running batch at most (<= max_num_seqs; benchmarks lower it
+        # to hold a batch size while more requests wait).
+        self.max_running = config.max_num_seqs
         self.token_text = token_text  # a token's text, for logprob entries (None: no text)
         self.kv = kv
         size = request_table_size(config.max_num_seqs)
@@ -261,7 +264,7 @@ class Scheduler:
         return False
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
             if req.inflight_refs > 0:
                 break  # a preempted request whose last step is still in flight (FCFS: wait)
