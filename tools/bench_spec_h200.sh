@@ -12,6 +12,7 @@
 # Settings (environment variables, defaults in brackets):
 #   TARGET_SECONDS [100], DRAFT_SECONDS [40]   training budget of each bench model
 #   OUTPUT_LEN [128], INPUT_LEN [128]          tokens per request of every cell
+#   REQUESTS_PER_SLOT [4]                      each cell runs N x B requests, B at a time
 #   BATCH_SIZES ["1 4 16 64 256"]
 #   BUDGET_SECONDS [530]                       the whole run; each stage gets what is left
 #   BENCH_PAIR [unset]                         a directory holding photon-bench and
@@ -51,7 +52,7 @@ spec() {  # spec NAME ARGS...: photon bench spec on prompts of held-out code
   local name="$1"
   shift
   run python3 -m photon.cli bench spec --data "$data" --input-len "${INPUT_LEN:-128}" \
-    --output-len "${OUTPUT_LEN:-128}" --batch-sizes ${BATCH_SIZES:-1 4 16 64 256} \
+    --output-len "${OUTPUT_LEN:-128}" --requests-per-slot "${REQUESTS_PER_SLOT:-4}" --batch-sizes ${BATCH_SIZES:-1 4 16 64 256} \
     --output-json "$out/spec_$name.json" "$@"
 }
 
