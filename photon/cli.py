@@ -94,7 +94,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         # Allowed values show in the metavar; EngineArgs.create_config checks them (one message
         # for the Python API and the CLI).
         metavar = "{" + ",".join(choices) + "}" if choices else None
-        group.add_argument(*names, type=kind, default=f.default, help=help_text, metavar=metavar)
+        extra = {"nargs": f.metadata["nargs"]} if "nargs" in f.metadata else {}
+        group.add_argument(*names, type=kind, default=f.default, help=help_text, metavar=metavar,
+                           **extra)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from photon.generation_config import GenerationDefaults
     from photon.kv_events.config import KVEventsConfig
     from photon.kv_transfer.config import KVTransferConfig
+    from photon.lora.config import LoRAConfig
     from photon.quant.config import QuantConfig
     from photon.spec.config import SpeculativeConfig
 
@@ -228,6 +229,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_events_config: KVEventsConfig | None = None  # None: no KV cache events
     kv_transfer_config: KVTransferConfig | None = None  # None: no prefill/decode disaggregation
+    lora_config: LoRAConfig | None = None  # None: no LoRA adapters (--enable-lora off)
 
     @property
     def pipeline_depth(self) -> int:
@@ -370,6 +372,23 @@ class EngineArgs:
             "then falls back), on_failure (recompute: the decode instance computes the prompt "
             "itself, the default; fail: the request fails). Default: off."))
 
+    enable_lora: bool = field(default=False, metadata=_help(
+        "Serve LoRA adapters (PEFT format: adapter_config.json and adapter_model.safetensors, "
+        "targeting q/k/v/o and gate/up/down projections) next to the base model; requests name "
+        "one (LoRARequest offline, the request's model on the server)."))
+    max_loras: int = field(default=1, metadata=_help(
+        "With --enable-lora: adapters resident on the device at once (slots). A request whose "
+        "adapter finds no free slot waits; idle adapters are evicted least recently used."))
+    max_lora_rank: int = field(default=16, metadata=_help(
+        "With --enable-lora: the highest adapter rank r accepted (1 to 256); the slots are "
+        "sized for it."))
+    max_cpu_loras: int | None = field(default=None, metadata=_help(
+        "With --enable-lora: adapters kept in host memory (least recently used ones are "
+        "dropped and read again when needed). Default: --max-loras."))
+    lora_modules: list[str] | None = field(default=None, metadata={**_help(
+        "With --enable-lora: adapters served from startup, as name=path entries "
+        "(--lora-modules sql=/adapters/sql chat=/adapters/chat)."), "nargs": "+"})
+
     def create_config(self) -> EngineConfig:
         """The checked, frozen configuration (ConfigError naming the argument at fault)."""
         from photon.spec import check_supported
@@ -429,6 +448,7 @@ class EngineArgs:
             kv_events_config=_kv_events_config(self.kv_events_config),
             kv_transfer_config=_kv_transfer_config(self.kv_transfer_config,
                                                    self.tensor_parallel_size),
+            lora_config=_lora_config(self),
             parallel=_parallel_config(ParallelConfig(
                 self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
                 enable_expert_parallel=self.enable_expert_parallel), arch, hf_config),
@@ -515,6 +535,16 @@ def _quant_config(quantization: str | None, hf_config: dict[str, Any], arch: str
     from photon.quant.config import resolve_quant_config
 
     return resolve_quant_config(quantization, hf_config, arch, device, use_triton)
+
+
+def _lora_config(args: EngineArgs) -> LoRAConfig | None:
+    from photon.lora.config import make_lora_config
+
+    try:
+        return make_lora_config(args.enable_lora, args.max_loras, args.max_lora_rank,
+                                args.max_cpu_loras, args.lora_modules)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _speculative_config(value: object) -> SpeculativeConfig | None:

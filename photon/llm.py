@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from photon.config import ConfigError, EngineArgs, EngineConfig
 from photon.engine.engine_core import EngineCore
+from photon.lora.request import LoRARequest
 from photon.outputs import RequestOutput
 from photon.sampling_params import SamplingParams
 from photon.tokenizer import resolve_chat_template
@@ -48,18 +49,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         kv_transfer_params: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """kv_transfer_params (with --kv-transfer-config): one dict for every prompt, or one per
-        prompt; a prefill instance's outputs carry those to send to the decode instance."""
+        prompt; a prefill instance's outputs carry those to send to the decode instance.
+        lora_request (with enable_lora): the LoRA adapter of every prompt, or one per prompt
+        (None: the base model)."""
         prompts = _as_prompt_list(prompts)
         kv_params = _as_kv_params_list(kv_transfer_params, len(prompts))
+        loras = _as_lora_list(lora_request, len(prompts))
         params = _as_params_list(sampling_params if sampling_params is not None
                                  else self.get_default_sampling_params(), len(prompts))
         ids: list[str] = []
         try:
-            for prompt, p, kvp in zip(prompts, params, kv_params):
+            for prompt, p, kvp, lora in zip(prompts, params, kv_params, loras):
                 ids.append(self.engine.add_request(prompt, p, stream=False,
-                                                   kv_transfer_params=kvp))
+                                                   kv_transfer_params=kvp, lora_request=lora))
             with _interrupts_between_steps() as interrupted:
                 return self._run(ids, use_tqdm, interrupted)
         except BaseException:
@@ -183,6 +188,15 @@ def _as_kv_params_list(values: object, n: int) -> list[dict[str, Any] | None]:
     values = list(values)  # type: ignore[call-overload]
     if len(values) != n:
         raise ValueError(f"kv_transfer_params: got {len(values)} for {n} prompts")
+    return values
+
+
+def _as_lora_list(values: object, n: int) -> list[LoRARequest | None]:
+    if values is None or isinstance(values, LoRARequest):
+        return [values] * n
+    values = list(values)  # type: ignore[call-overload]
+    if len(values) != n:
+        raise ValueError(f"lora_request: got {len(values)} for {n} prompts; give one or one each")
     return values
 
 

@@ -168,7 +168,7 @@ def test_duplicate_content_keeps_existing_mapping() -> None:
 
 def test_hash_collision_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
     # Every block hashes alike: only the stored-token check can tell them apart.
-    monkeypatch.setattr(kv_cache, "hash_block", lambda parent, tokens: 7)
+    monkeypatch.setattr(kv_cache, "hash_block", lambda parent, tokens, extra=None: 7)
     m = make()
     run_request(m, "a", [1, 2, 3, 4, 5])
     match = m.match_prefix([9, 9, 9, 9, 5])
@@ -183,10 +183,10 @@ def test_hash_collision_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_collision_stops_later_publication(monkeypatch: pytest.MonkeyPatch) -> None:
     real = kv_cache.hash_block
 
-    def fake(parent: int, tokens: tuple[int, ...]) -> int:
+    def fake(parent: int, tokens: tuple[int, ...], extra: object = None) -> int:
         if tokens in ((1, 1, 1, 1), (2, 2, 2, 2)):
             return 42  # the first blocks of the two prompts collide
-        return real(parent, tokens)
+        return real(parent, tokens, extra)
 
     monkeypatch.setattr(kv_cache, "hash_block", fake)
     m = make()
@@ -407,3 +407,16 @@ def _check_contents_match(
 ) -> None:
     for i, b in enumerate(match.block_ids):
         assert content[b] == tuple(tokens[: (i + 1) * bs]), "prefix hit on wrong data"
+
+
+def test_prefix_match_is_per_extra_key() -> None:
+    """Blocks published under one LoRA adapter's key are hits only for that key."""
+    m = make()
+    tokens = list(range(1, 10))  # two full blocks and one token
+    for rid, extra in (("base", None), ("a1", (1,))):
+        assert m.allocate(rid, len(tokens), extra=extra)
+        m.cache_blocks(rid, tokens, len(tokens))
+    assert m.match_prefix(tokens).block_ids == m.block_ids("base")[:2]
+    assert m.match_prefix(tokens, (1,)).block_ids == m.block_ids("a1")[:2]
+    assert m.match_prefix(tokens, (2,)).num_tokens == 0
+    m.check_invariants()

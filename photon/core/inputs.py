@@ -58,6 +58,8 @@ class StepInputs(Generic[T]):
     # Request indices of the speculative requests that sample this step: the runner proposes
     # their next drafts after sampling.
     propose_reqs: T
+    # Per token: its request's LoRA slot (0: the base model).
+    lora_slots: T
     # float32, per sampling row.
     temperature: T
     top_p: T

@@ -33,6 +33,20 @@ class NewRequest:
     # Speculative requests: after each of its sampling rows the runner proposes this many draft
     # tokens into the pool (0: a plain request).
     spec: int = 0
+    # Its LoRA adapter's slot (photon.lora.slots; 0: the base model), held until it is released.
+    lora_slot: int = 0
+
+
+@dataclass(slots=True)
+class LoRALoad:
+    """Load adapter `lora_int_id` (read from `lora_path`) into device slot `slot` before this
+    step's forward: no step in flight reads the slot (its previous adapter's requests are
+    released)."""
+
+    slot: int
+    lora_int_id: int
+    lora_name: str
+    lora_path: str
 
 
 @dataclass(slots=True)
@@ -71,6 +85,7 @@ class StepPlan:
     new_requests: list[NewRequest] = field(default_factory=list)  # enter before the rows run
     released: list[int] = field(default_factory=list)  # leave the table before new_requests
     num_tokens: int = 0
+    lora_loads: list[LoRALoad] = field(default_factory=list)  # before the forward runs
     # The KV connector's loads and saves to start (disaggregation; None without a connector)
     kv_connector_metadata: KVConnectorMetadata | None = None
 

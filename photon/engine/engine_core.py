@@ -41,6 +41,8 @@ from photon.kv_events.publisher import create_publisher
 from photon.kv_transfer.base import KVConnectorRole, create_connector
 from photon.kv_transfer.metadata import KVTransferStats
 from photon.kv_transfer.params import KVTransferParams, parse_kv_transfer_params
+from photon.lora.request import LoRARequest
+from photon.lora.slots import LoRASlotPool
 from photon.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from photon.reasoning import ReasoningParser, get_reasoning_parser
 from photon.sampling_params import SamplingParams
@@ -118,6 +120,11 @@ class EngineCore:
                                    spec_k=spec.k if spec is not None else 0,
                                    max_model_len=config.model.max_model_len,
                                    draft_lookahead=self.runner.draft_lookahead)
+        if config.lora_config is not None:
+            self.scheduler.lora = LoRASlotPool(config.lora_config.max_loras)
+        self._loras: dict[int, LoRARequest] = {}  # the adapters requests named, by id
+        for module in config.lora_config.lora_modules if config.lora_config else ():
+            self.check_lora(module)  # --lora-modules: a bad adapter stops the start
         if spec is not None and spec.adaptive:  # the adaptive switch: K_eff per step from a cost model
             self.scheduler.spec_policy = AdaptiveSpec(spec.k, self.runner.spec.counters)
         self._attach_kv_connector()
@@ -176,12 +183,15 @@ class EngineCore:
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
                     request_id: str | None = None, stream: bool = True,
-                    delta: bool = False, kv_transfer_params: dict | None = None) -> str:
+                    delta: bool = False, kv_transfer_params: dict | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue a request; with stream=False, step() reports it only once it is finished;
         with delta=True each output carries only what is new (see the module docstring);
-        kv_transfer_params: disaggregation (photon.kv_transfer.params)."""
+        kv_transfer_params: disaggregation (photon.kv_transfer.params); lora_request: the
+        LoRA adapter it runs with (None: the base model)."""
         vocab = self.config.model.vocab_size
         kvp = self._kv_params(kv_transfer_params, params)
+        self.check_lora(lora_request)
         params.validate_token_ids(vocab)
         if params.structured_outputs is not None and self.workers is not None:
             raise ValueError("structured_outputs: not supported with tensor_parallel_size > 1 yet "
@@ -204,6 +214,7 @@ class EngineCore:
             req = Request(child_id, list(ids), params, eos, max_tokens, sampling, prompt=text,
                           parent_id=request_id, index=i)
             req.kv_transfer_params = kvp
+            req.lora_request = lora_request
             if self.detokenize and (params.detokenize or params.stop):
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
             if params.prompt_logprobs is not None and i == 0:  # the children share the prompt
@@ -218,6 +229,25 @@ class EngineCore:
         if delta:
             self._delta[request_id] = _DeltaState([0] * params.n, [False] * params.n)
         return request_id
+
+    def check_lora(self, lora: LoRARequest | None) -> None:
+        """A request's adapter, checked (ValueError naming what is wrong): LoRA is enabled, its
+        id names one adapter, and its files are a servable PEFT adapter (read into the host
+        cache now, so its first step does not read the disk)."""
+        if lora is None:
+            return
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        if self.runner.lora is None:
+            raise ValueError("lora_request: this engine was started without enable_lora "
+                             "(--enable-lora)")
+        known = self._loras.get(lora.lora_int_id)
+        if known is not None and known != lora:
+            raise ValueError(f"lora_request: lora_int_id {lora.lora_int_id} already names "
+                             f"adapter {known.lora_name!r} at {known.lora_path!r}; give each "
+                             f"adapter its own id")
+        self.runner.lora.host.get(lora)
+        self._loras[lora.lora_int_id] = lora
 
     def _grammar_gate(self, prompt_ids: list[int], params: SamplingParams) -> int | None:
         """With a reasoning parser, a grammar starts once the reasoning ended (as vLLM): after
@@ -428,6 +458,10 @@ class EngineCore:
         if self.workers is not None:
             live = self.workers.audit_live_rows()
             assert live == 0, f"{live} rows of a tensor-parallel worker's table still held"
+        lora = sched.lora
+        if lora is not None:
+            assert lora.num_used == 0, f"{lora.num_used} LoRA slots still referenced"
+            lora.check_invariants()
         if self.structured is not None and self.structured.started:
             assert self.structured.executor.open_matchers == 0, "grammar matchers leaked"
         self.kv.check_invariants()

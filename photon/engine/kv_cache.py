@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 # hash_block is looked up in this module at each call, so tests can monkeypatch it here to force
 # collisions; its values are the same in every process (photon.engine.block_hash).
-from photon.engine.block_hash import ROOT_HASH, hash_block
+from photon.engine.block_hash import ROOT_HASH, ExtraKeys, hash_block
 from photon.kv_events.schema import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -52,6 +52,8 @@ class _PublishState:
     num_blocks: int = 0  # blocks [0, num_blocks) were examined (published or deduplicated)
     last_hash: int = ROOT_HASH  # chain hash of block num_blocks - 1
     stopped: bool = False  # a collision broke the chain: later blocks are never published
+    # What besides its tokens keys the request's blocks (its LoRA adapter): in every hash
+    extra: ExtraKeys | None = None
 
 
 @dataclass
@@ -131,8 +133,11 @@ class KVCacheManager:
                 and num_tokens // self.block_size > state.num_blocks)
 
     # ------------------------------------------------------------------ prefix lookup
-    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
-        """Longest run of cached full blocks equal to the prompt's prefix. Takes no references."""
+    def match_prefix(self, token_ids: Sequence[int], extra: ExtraKeys | None = None
+                     ) -> PrefixMatch:
+        """Longest run of cached full blocks equal to the prompt's prefix, among the blocks
+        published with the same `extra` (a LoRA adapter's blocks never serve the base model or
+        another adapter). Takes no references."""
         self.prefix_queries += len(token_ids)
         if not self.enable_prefix_caching:
             return PrefixMatch()
@@ -143,7 +148,7 @@ class KVCacheManager:
         blocks: list[int] = []
         for i in range(max_blocks):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = hash_block(parent, tokens)
+            h = hash_block(parent, tokens, extra)
             block = self._hash_to_block.get(h)
             if block is None:
                 break
@@ -158,8 +163,10 @@ class KVCacheManager:
         return PrefixMatch(block_ids=blocks, num_tokens=num_tokens)
 
     # ------------------------------------------------------------------ allocation
-    def allocate(self, request_id: Hashable, num_tokens: int, prefix: PrefixMatch | None = None) -> bool:
-        """Grow the request to ceil(num_tokens / block_size) blocks. All or nothing."""
+    def allocate(self, request_id: Hashable, num_tokens: int, prefix: PrefixMatch | None = None,
+                 extra: ExtraKeys | None = None) -> bool:
+        """Grow the request to ceil(num_tokens / block_size) blocks. All or nothing. `extra`
+        (the first allocation's): the keys its blocks publish under, as `match_prefix`'s."""
         held = self._req_blocks.get(request_id)
         if prefix is None and held is not None and num_tokens <= len(held) * self.block_size:
             return True  # the common decode step: the last block still has room
@@ -174,7 +181,8 @@ class KVCacheManager:
             return False
         if held is None:
             held = self._req_blocks[request_id] = []
-            self._req_publish[request_id] = self._take_prefix(held, prefix_blocks)
+            state = self._req_publish[request_id] = self._take_prefix(held, prefix_blocks)
+            state.extra = extra
         for _ in range(num_new):
             held.append(self._take_free_block())
         return True
@@ -238,19 +246,20 @@ class KVCacheManager:
         while state.num_blocks < num_full and not state.stopped:
             i = state.num_blocks
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = hash_block(state.last_hash, tokens)
+            h = hash_block(state.last_hash, tokens, state.extra)
             new = h not in self._hash_to_block
             if not self._publish_one(blocks[i], h, state.last_hash, tokens):
                 # Collision: later hashes would chain off content that is not ours.
                 state.stopped = True
                 break
             if self._events is not None:
-                run = self._record_stored(run, new, i, h, state.last_hash, tokens)
+                run = self._record_stored(run, new, i, h, state.last_hash, tokens, state.extra)
             state.num_blocks = i + 1
             state.last_hash = h
 
     def _record_stored(self, run: BlockStored | None, new: bool, index: int, h: int,
-                       parent: int, tokens: tuple[int, ...]) -> BlockStored | None:
+                       parent: int, tokens: tuple[int, ...], extra: ExtraKeys | None
+                       ) -> BlockStored | None:
         """Extend the current BlockStored with a newly cached block (or start one); a block
         already cached elsewhere ends the run. Returns the run to extend next."""
         if not new:
@@ -259,8 +268,9 @@ class KVCacheManager:
             run.block_hashes.append(h)
             run.token_ids.extend(tokens)
             return run
+        lora_id = extra[0] if extra and isinstance(extra[0], int) else None
         run = BlockStored([h], None if index == 0 else parent, list(tokens), self.block_size,
-                          None, MEDIUM_GPU)
+                          lora_id, MEDIUM_GPU)
         assert self._events is not None
         self._events.append(run)
         return run
@@ -316,8 +326,8 @@ class KVCacheManager:
         self._num_cached_free = 0
         if self._events is not None:
             self._events.append(AllBlocksCleared())
-        for rid in self._req_publish:  # requests holding zero blocks
-            self._req_publish[rid] = _PublishState()
+        for rid, state in self._req_publish.items():  # requests holding zero blocks
+            self._req_publish[rid] = _PublishState(extra=state.extra)
         return True
 
     # ------------------------------------------------------------------ checking

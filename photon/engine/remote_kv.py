@@ -51,7 +51,7 @@ class RemoteKV:
         num_ext, _ = self.connector.get_num_new_matched_tokens(req, prefix.num_tokens)
         if num_ext <= 0:
             return None  # request_finished releases the producer's transfer
-        if not self.kv.allocate(req.key, req.num_prompt_tokens, prefix):
+        if not self.kv.allocate(req.key, req.num_prompt_tokens, prefix, req.block_extra):
             return False
         req.kv_load_done = True
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from photon.core.sampling import PackedSampling
     from photon.engine.detokenizer import IncrementalDetokenizer
     from photon.kv_transfer.params import KVTransferParams
+    from photon.lora.request import LoRARequest
     from photon.outputs import PromptLogprobs, SampleLogprobs
     from photon.sampling_params import SamplingParams
     from photon.structured.manager import RequestGrammar
@@ -99,6 +100,15 @@ class Request:
     kv_loaded: bool = False
     kv_delay_free: bool = False
     kv_transfer_params_out: dict[str, Any] | None = None
+    # Its LoRA adapter (None: the base model) and the device slot it holds while it holds a
+    # request index (0: none)
+    lora_request: LoRARequest | None = None
+    lora_slot: int = 0
+
+    @property
+    def block_extra(self) -> tuple[int, ...] | None:
+        """What besides its tokens determines its KV: the adapter (prefix-cache keys)."""
+        return None if self.lora_request is None else (self.lora_request.lora_int_id,)
 
     @property
     def all_token_ids(self) -> list[int]:

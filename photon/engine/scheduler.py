@@ -35,6 +35,7 @@ from photon.engine.kv_cache import KVCacheManager, PrefixMatch
 from photon.engine.logprobs import TokenText
 from photon.engine.remote_kv import RemoteKV
 from photon.engine.request import FinishReason, Request, RequestStatus
+from photon.lora.slots import LoRASlotPool
 from photon.spec.adaptive import SpecPolicy
 from photon.structured.backend import GrammarError
 
@@ -88,6 +89,8 @@ class Scheduler:
         # Prefill/decode disaggregation's state (set by the engine with a KV connector)
         self.remote: RemoteKV | None = None
         self.on_kv_failure = "recompute"  # kv_connector_extra_config.on_failure
+        # The device's LoRA adapter slots (set by the engine with --enable-lora; None: none)
+        self.lora: LoRASlotPool | None = None
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -273,9 +276,11 @@ class Scheduler:
                 if start == -1:
                     break
                 continue  # it waits for its KV cache from a prefill instance
+            if req.lora_request is not None and not self.lora.can_acquire(req.lora_request):
+                break  # it waits until a slot's requests are released (FCFS)
             num_new = min(req.num_known_tokens - start, budget)
             end = self._row_reserve(req, start + num_new, req.num_known_tokens)
-            if not self.kv.allocate(req.key, end, prefix):
+            if not self.kv.allocate(req.key, end, prefix, req.block_extra):
                 break
             self.waiting.popleft()
             req.kv_loaded = False
@@ -296,7 +301,8 @@ class Scheduler:
         if req.kv_loaded:  # its blocks hold the loaded prompt already
             return PrefixMatch(), req.num_computed_tokens
         # Prompt logprobs need the logits of every prompt position: no cached prefix.
-        prefix = (self.kv.match_prefix(req.all_token_ids) if req.prompt_logprobs_done
+        prefix = (self.kv.match_prefix(req.all_token_ids, req.block_extra)
+                  if req.prompt_logprobs_done
                   else PrefixMatch())
         if self.remote is not None:
             started = self.remote.start_load(req, prefix)
@@ -332,10 +338,14 @@ class Scheduler:
         has nothing in flight, so its known tokens are its committed ones)."""
         i = req.req_index = self.free_indices.pop()
         self.by_index[i] = req
+        if req.lora_request is not None:
+            req.lora_slot, load = self.lora.acquire(req.lora_request)
+            if load is not None:
+                out.plan.lora_loads.append(load)
         k = req.params.prompt_logprobs
         out.plan.new_requests.append(NewRequest(
             i, req.all_token_ids, req.sampling,
-            -1 if k is None or req.prompt_logprobs_done else k, req.spec_k))
+            -1 if k is None or req.prompt_logprobs_done else k, req.spec_k, req.lora_slot))
         out.admitted.append(req)
 
     def _add_row(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
@@ -465,8 +475,8 @@ class Scheduler:
         self._maybe_release(req)
 
     def _maybe_release(self, req: Request) -> None:
-        """Invariant: KV blocks and the request index are released only when nothing in flight
-        reads them. A preempted request may already be released when it is finished (aborted
+        """Invariant: KV blocks, the request index and its LoRA slot are released only when
+        nothing in flight reads them. A preempted request may already be released when it is finished (aborted
         while waiting): then only its bookkeeping entry goes."""
         if req.inflight_refs > 0:
             return
@@ -479,6 +489,9 @@ class Scheduler:
             self.free_indices.append(req.req_index)
             self._released.append(req.req_index)
             req.req_index = None
+            if req.lora_slot:  # held with the index: no step in flight reads it now
+                self.lora.release(req.lora_slot)
+                req.lora_slot = 0
         elif req.kv_loaded:  # finished while its loaded blocks waited for admission
             self.kv.free(req.key)
             req.kv_loaded = False

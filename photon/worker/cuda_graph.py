@@ -26,6 +26,7 @@ from photon.attention.backend import AttentionBackend, AttentionMetadata, Forwar
 from photon.core.inputs import StepInputs
 
 if TYPE_CHECKING:
+    from photon.lora.layers import LoRABatch
     from photon.worker.draft_runner import DraftRunner
 
 
@@ -59,10 +60,14 @@ class GraphModel:
     kv_caches: list[torch.Tensor]
     token_pool: torch.Tensor
     draft: DraftRunner | None = None
+    lora: LoRABatch | None = None  # with --enable-lora: the slot grouping runs in the graph
 
     def forward(self, meta: AttentionMetadata, pool_idx: torch.Tensor, positions: torch.Tensor
                 ) -> torch.Tensor:
         input_ids = self.token_pool.view(-1)[pool_idx].long()
+        if self.lora is not None:
+            self.lora.active = True  # graphs always run the LoRA kernels (slot 0 skips)
+            self.lora.prepare(pool_idx.shape[0])
         if self.draft is not None:
             self.draft.catch_up(input_ids, positions, meta)
         return self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
@@ -171,6 +176,7 @@ def pad_rows(inputs: StepInputs[np.ndarray], batch: int, width: int, tokens_per_
     inputs.positions = np.concatenate([inputs.positions, pad])
     inputs.pool_idx = np.concatenate([inputs.pool_idx, pad])
     inputs.slot_mapping = np.concatenate([inputs.slot_mapping, pad])
+    inputs.lora_slots = np.concatenate([inputs.lora_slots, pad])  # slot 0: no adapter
     rows_pad = np.full(batch - inputs.seq_lens.shape[0], tokens_per_row, dtype=np.int64)
     inputs.seq_lens = np.concatenate([inputs.seq_lens, rows_pad])
     inputs.query_start_loc = np.arange(batch + 1, dtype=np.int64) * tokens_per_row

@@ -45,7 +45,7 @@ def build_decode_inputs(rows: list[ScheduledRow], table: RequestTable, block_siz
         start, req * pool_width + start, slots, write_idx, write_ids, seq_lens, steps, tables,
         steps[:n], g.top_k, g.keys, counters, req, g.prompt_lens, seq_lens, sample_pool_idx,
         ban_rows, ban_tokens, ban_until, bias_rows, bias_tokens, _NONE, _NONE, _NONE, _NONE, _NONE,
-        req[table.spec[req] > 0], *g.floats, bias_values)
+        req[table.spec[req] > 0], table.lora[req], *g.floats, bias_values)
     # the sampler writes token seq_len into the pool
     return HostStep(inputs, seq_lens.tolist(), [1] * n, True, list(range(n)), g.flags,
                     (req, seq_lens + 1))

@@ -197,7 +197,8 @@ def build_step_inputs(rows: list[ScheduledRow], table: RequestTable, block_size:
         g.prompt_lens, smp.seq_lens, req * pool_width + smp.seq_lens, ban_rows, ban_tokens,
         ban_until, bias_rows, bias_tokens, plp_idx, plp_tokens, smp.spec_rows,
         i64([rows[i].req_index for i in smp.spec_rows.tolist()]), smp.spec_vrows,
-        sampled_req[table.spec[sampled_req] > 0], *g.floats, bias_values)
+        sampled_req[table.spec[sampled_req] > 0],
+        np.repeat(table.lora[i64([r.req_index for r in rows])], qlens), *g.floats, bias_values)
     # A speculative row leaves the pool's host-known part as it was (the device knows more).
     valid = i64([int(table.pool_valid[r.req_index]) if r.speculative else r.seq_len + int(r.sample)
                  for r in rows])

@@ -21,7 +21,7 @@ import math
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ from photon.core.step import (
 from photon.distributed.group import TPGroup
 from photon.kv_transfer.base import KVConnectorBase
 from photon.kv_transfer.metadata import KVConnectorMetadata
+from photon.lora.worker import LoRAWorker, StagedLoad, any_adapter
 from photon.model.loader import load_model
 from photon.sampling_params import MAX_LOGPROBS
 from photon.spec.draft_config import draft_model_config
@@ -70,6 +71,7 @@ class PreparedStep:
     dev: StepInputs[torch.Tensor]  # device views of the staged inputs (valid after the upload)
     graph_key: GraphKey | None
     step: int  # the plan's step number
+    lora_loads: list[StagedLoad] = field(default_factory=list)  # into slots before the forward
 
 
 @dataclass
@@ -106,6 +108,8 @@ class ModelRunner:
         self.model = load_model(config.model, config.device, self.tp,
                                 config.parallel.enable_expert_parallel)
         self.backend = create_backend(config.attention_backend, config.device)
+        # Before the KV cache is sized: the slot weights take device memory.
+        self.lora = self._lora_worker()
         spec = config.speculative_config
         # method draft_model: a second model whose KV blocks share the target's block ids
         self.draft_config = (draft_model_config(config) if spec is not None
@@ -149,11 +153,23 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None
         # Graphs capture one rank's kernels only: with tp > 1 the steps run eagerly.
         if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1:
-            fwd = GraphModel(self.model, self.backend, self.kv_caches, self.token_pool, self.draft)
+            fwd = GraphModel(self.model, self.backend, self.kv_caches, self.token_pool, self.draft,
+                             None if self.lora is None else self.lora.batch)
             self.graphs = StepGraphs.build(fwd, config, max_blocks, self.device)
             self.graphs.capture()
             if self.draft is not None:
                 self.draft.capture_graphs(max_seqs, max_blocks)
+
+    def _lora_worker(self) -> LoRAWorker | None:
+        cfg = self.config
+        if cfg.lora_config is None:
+            return None
+        spec = cfg.speculative_config
+        # Tokens of a forward, padded graph batches included
+        tokens = max(cfg.scheduler.max_num_batched_tokens,
+                     cfg.scheduler.max_num_seqs * (1 + (spec.k if spec is not None else 0)))
+        return LoRAWorker(cfg.lora_config, self.model, cfg.model.hf_config, tokens, self.device,
+                          self.dtype, cfg.model.use_triton)
 
     # ---- sizing -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -261,7 +277,21 @@ class ModelRunner:
         graph_key = None if self.graphs is None else self.graphs.plan(rows, host)
         slot = self.slots[plan.step % 2]
         ints, floats = slot.stage(int_arrays(host.inputs), float_arrays(host.inputs))
-        return PreparedStep(slot, rows, host, StepInputs(*ints, *floats), graph_key, plan.step)
+        return PreparedStep(slot, rows, host, StepInputs(*ints, *floats), graph_key, plan.step,
+                            self._stage_lora(plan))
+
+    def _stage_lora(self, plan: StepPlan) -> list[StagedLoad]:
+        """The plan's adapter loads from the host cache; the requests of a slot whose adapter
+        could not be read end (their rows run once as zombies over zero weights)."""
+        if self.lora is None or not plan.lora_loads:
+            return []
+        staged, failed = self.lora.stage(plan.lora_loads)
+        on_fault = self._on_fault() if self._on_fault is not None else None
+        for new in plan.new_requests:
+            error = failed.get(new.lora_slot) if new.lora_slot else None
+            if error is not None and on_fault is not None:
+                on_fault(new.req_index, error)
+        return staged
 
     @torch.inference_mode()
     def launch(self, prep: PreparedStep) -> StepHandle:
@@ -273,6 +303,9 @@ class ModelRunner:
             self.probe.mark(marks, "fwd_start")
         if host.inputs.write_idx.size:
             self.token_pool.view(-1)[dev.write_idx] = dev.write_ids.to(torch.int32)
+        if self.lora is not None:
+            self.lora.launch(prep.lora_loads, dev.lora_slots, prep.graph_key is None
+                             and any_adapter(host.inputs.lora_slots))
         if host.widths is not None:
             self.spec.resolve(dev, staged_rows(dev), host.spec_k)
         if prep.graph_key is not None:

@@ -54,6 +54,7 @@ class RequestTable:
         self.floats = np.zeros((num_rows, len(FLOAT_COLUMNS)), dtype=np.float32)
         self.prompt_k = np.full(num_rows, -1, dtype=I64)
         self.spec = np.zeros(num_rows, dtype=I64)  # K of speculative requests, 0: plain
+        self.lora = np.zeros(num_rows, dtype=I64)  # LoRA slot of each request, 0: none
         self.tokens: list[list[int] | None] = [None] * num_rows
         self.sampling: list[PackedSampling | None] = [None] * num_rows
 
@@ -71,6 +72,7 @@ class RequestTable:
         self.sampling[i] = new.sampling
         self.prompt_k[i] = new.prompt_logprobs
         self.spec[i] = new.spec
+        self.lora[i] = new.lora_slot
         self.ints[i] = new.sampling.ints
         self.floats[i] = new.sampling.floats
 
@@ -87,6 +89,7 @@ class RequestTable:
         self.floats[i] = INERT_FLOATS
         self.prompt_k[i] = -1
         self.spec[i] = 0
+        self.lora[i] = new.lora_slot  # it holds the slot until it is released
         self.tokens[i] = new.token_ids
         self.sampling[i] = PackedSampling(tuple(self.ints[i].tolist()), INERT_FLOATS)
 

@@ -24,6 +24,7 @@ from photon.distributed.group import TPGroup
 from photon.quant.base import Slice
 
 if TYPE_CHECKING:
+    from photon.lora.layers import LoRALinear
     from photon.quant.base import LinearMethod
 
 
@@ -76,6 +77,9 @@ class QuantizableLinear(nn.Module):
     """The weight: a plain [out, in] parameter, or the parameters of a quantization method."""
 
     quant_method: LinearMethod | None = None
+    # Set with --enable-lora on the adapted projections: adds the tokens' LoRA deltas to the
+    # GEMM's output (photon.lora.layers), whatever the quantization method.
+    lora: LoRALinear | None = None
 
     def create_weight(self, input_size: int, output_size: int,
                       quant: LinearMethod | None) -> None:
@@ -87,8 +91,10 @@ class QuantizableLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is None:
-            return F.linear(x, self.weight, bias)
-        return self.quant_method.apply(self, x, bias)
+            out = F.linear(x, self.weight, bias)
+        else:
+            out = self.quant_method.apply(self, x, bias)
+        return out if self.lora is None else self.lora.add(x, out)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: Any) -> None:
         raise NotImplementedError
