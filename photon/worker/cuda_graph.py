@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from photon.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
+from photon.attention.kv_quant import KVCacheScales
 from photon.core.inputs import StepInputs
 
 if TYPE_CHECKING:
@@ -59,13 +60,15 @@ class GraphModel:
     kv_caches: list[torch.Tensor]
     token_pool: torch.Tensor
     draft: DraftRunner | None = None
+    kv_scales: KVCacheScales | None = None  # an FP8 cache's (fixed while graphs replay)
 
     def forward(self, meta: AttentionMetadata, pool_idx: torch.Tensor, positions: torch.Tensor
                 ) -> torch.Tensor:
         input_ids = self.token_pool.view(-1)[pool_idx].long()
         if self.draft is not None:
             self.draft.catch_up(input_ids, positions, meta)
-        return self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
+        return self.model(input_ids, positions,
+                          ForwardContext(meta, self.kv_caches, self.backend, self.kv_scales))
 
 
 class Captured:
