@@ -81,6 +81,14 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None
     num_gpu_blocks_override: int | None
     enable_prefix_caching: bool
+    # --kv-cache-dtype (vLLM's name): auto = the model's dtype; fp8 / fp8_e4m3 = float8 e4m3
+    # with per-layer per-KV-head scales (photon.attention.kv_quant).
+    cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False  # FP8 scales from the first forward (no checkpoint scales)
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.cache_dtype != "auto"
 
 
 @dataclass(frozen=True)
@@ -292,6 +300,16 @@ class EngineArgs:
         "written by llm-compressor or `photon quantize`) are detected from their config.json. "
         "Embeddings and the LM head stay unquantized. Default: none.",
         ("fp8", "compressed-tensors")))
+    kv_cache_dtype: str = field(default="auto", metadata=_help(
+        "KV cache dtype: auto = the model's dtype; fp8 (= fp8_e4m3) stores K and V as FP8 e4m3 "
+        "with one scale per layer and KV head (the cache holds twice the tokens of bf16). "
+        "Scales: the checkpoint's k_scale / v_scale when it has them, else from the first "
+        "forward with --calculate-kv-scales, else 1.0. A draft model's cache keeps its dtype.",
+        ("auto", "fp8", "fp8_e4m3")))
+    calculate_kv_scales: bool = field(default=False, metadata=_help(
+        "With --kv-cache-dtype fp8 and a checkpoint without KV scales: set each layer's K and V "
+        "scales per KV head from the first forward (amax / 448 of the first prefill's K and V), "
+        "then keep them fixed."))
     revision: str | None = field(default=None, metadata=_help(
         "The hub model's branch, tag or commit. Default: main."))
     download_dir: str | None = field(default=None, metadata=_help(
@@ -436,7 +454,8 @@ class EngineArgs:
             model=model_config,
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization,
                               self.kv_cache_memory_bytes, self.num_gpu_blocks_override,
-                              self.enable_prefix_caching),
+                              self.enable_prefix_caching, self._kv_cache_dtype(hf_config, device),
+                              self.calculate_kv_scales),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens),
             device=device,
             pipelined=self.pipelined,
@@ -453,6 +472,23 @@ class EngineArgs:
                 self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
                 enable_expert_parallel=self.enable_expert_parallel), arch, hf_config),
         )
+
+    def _kv_cache_dtype(self, hf_config: dict[str, Any], device: str) -> str:
+        """--kv-cache-dtype checked against --calculate-kv-scales, the checkpoint, the device and
+        the features that cannot take an FP8 cache."""
+        from photon.attention.kv_quant import FP8_NAMES, check_fp8_kv_device, check_kv_cache_dtype
+
+        name = check_kv_cache_dtype(self.kv_cache_dtype, self.calculate_kv_scales,
+                                    hf_config.get("quantization_config"))
+        if name not in FP8_NAMES:
+            return name
+        if self.kv_transfer_config is not None:
+            raise ConfigError(f"{flag('kv_cache_dtype')}={name} is not supported with "
+                              f"{flag('kv_transfer_config')} yet (both instances' caches would "
+                              f"need the same scales); use {flag('kv_cache_dtype')} auto")
+        if device == "cuda":
+            check_fp8_kv_device(torch.cuda.get_device_capability())
+        return name
 
     def structured_outputs_config(self) -> StructuredOutputsConfig:
         """The --structured-outputs-* arguments, checked (ConfigError naming the flag)."""

@@ -2,6 +2,8 @@
 
 KV cache layout (one tensor per layer, allocated by the model runner):
     kv_cache[layer]: [2, num_blocks, block_size, num_kv_heads, head_dim]; [0] = K, [1] = V.
+An FP8 cache (float8_e4m3fn, --kv-cache-dtype fp8) comes with the layer's per-KV-head scales
+(photon.attention.kv_quant): the backend stores x / scale saturated to e4m3 and reads c * scale.
 A token's cache slot is `block_id * block_size + offset`; `slot_mapping` gives it for every token of
 the step. A backend first writes the step's K/V into the cache at `slot_mapping`, then attends each
 query token to every cached position of its sequence up to and including its own (causal).
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from photon.attention.kv_quant import KVCacheScales, LayerKVScales
 from photon.kernels import has_triton
 from photon.registry import Registry
 
@@ -54,6 +57,7 @@ class ForwardContext:
     metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]
     backend: AttentionBackend
+    kv_scales: KVCacheScales | None = None  # an FP8 cache's scales; None: unquantized cache
 
 
 class AttentionBackend(ABC):
@@ -76,25 +80,28 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: LayerKVScales | None = None,  # required for an FP8 cache
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        self.write_kv(k, v, kv_cache, metadata.slot_mapping)
+        self.write_kv(k, v, kv_cache, metadata.slot_mapping, kv_scales)
         if metadata.decode_only:
-            return self.decode(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale)
-        return self.prefill(q, kv_cache, metadata, scale)
+            return self.decode(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale,
+                               kv_scales)
+        return self.prefill(q, kv_cache, metadata, scale, kv_scales)
 
     @abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """Store the step's K/V at their cache slots."""
+                 slot_mapping: torch.Tensor, kv_scales: LayerKVScales | None = None) -> None:
+        """Store the step's K/V at their cache slots (FP8: x / scale, saturated)."""
 
     @abstractmethod
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+               seq_lens: torch.Tensor, scale: float,
+               kv_scales: LayerKVScales | None = None) -> torch.Tensor:
         """One query token per sequence, attending to its first seq_len cached positions."""
 
     @abstractmethod
     def prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, kv_scales: LayerKVScales | None = None) -> torch.Tensor:
         """Varlen causal attention (prefill, chunked prefill, mixed batches) over the pages."""
 
     def supports(self, device: torch.device) -> bool:

@@ -16,6 +16,9 @@ Decode (one query token per sequence, CUDA-graph capturable: no host reads of de
 Prefill / chunked prefill / mixed steps: `_prefill_kernel`, grid
   (num_seqs, cdiv(max_query_len, BLOCK_M), num_heads). Query j of sequence i sits at absolute
   position seq_len - q_len + j and attends causally to the cached positions <= its own.
+FP8 cache (FP8 constexpr): the write stores x / scale saturated to +-448; the attention kernels
+load the FP8 tiles, convert them to q's dtype (exact) and apply the program's KV head's scales to
+the scores (K) and to the accumulator (V), so no tile is multiplied element by element.
 """
 
 from __future__ import annotations
@@ -28,16 +31,41 @@ import triton
 import triton.language as tl
 
 from photon.attention.backend import AttentionBackend, AttentionMetadata
+from photon.attention.kv_quant import LayerKVScales, fp8_scales
+from photon.quant.numerics import FP8_MAX
 
 MAX_SPLITS = 64
 MIN_GROUP_PAD = 16  # tl.dot needs every dimension >= 16
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
+def _round_e4m3(x):
+    """x (|x| <= 448) rounded half to even onto e4m3's grid (3 mantissa bits, subnormal step
+    2^-9), in float32. Triton's interpreter converts float32 to float8 without carrying the
+    rounding into the exponent (7.9 becomes 4); values already on the grid convert exactly."""
+    ax = tl.abs(x)
+    step = tl.exp2(tl.floor(tl.log2(tl.maximum(ax, 0.015625))) - 3.0)
+    r = ax / step
+    f = tl.floor(r)
+    odd = f - 2.0 * tl.floor(f * 0.5)
+    f = tl.where((r - f > 0.5) | ((r - f == 0.5) & (odd == 1.0)), f + 1.0, f) * step
+    return tl.where(x < 0, -f, f)
+
+
+@triton.jit
+def _to_fp8(x, scale, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    y = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+    if ROUND_FIRST:
+        y = _round_e4m3(y)
+    return y
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kv, stride_blk, stride_off, stride_ch,
-                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                     FP8: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D_PAD)
@@ -46,6 +74,9 @@ def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
     dst = (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_off + h * stride_ch + d
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dmask, other=0.0)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dmask, other=0.0)
+    if FP8:
+        k = _to_fp8(k, tl.load(k_scale_ptr + h), FP8_MAX, ROUND_FIRST)
+        v = _to_fp8(v, tl.load(v_scale_ptr + h), FP8_MAX, ROUND_FIRST)
     out_ty = cache_ptr.dtype.element_ty
     tl.store(cache_ptr + dst, k.to(out_ty), mask=dmask)
     tl.store(cache_ptr + stride_kv + dst, v.to(out_ty), mask=dmask)
@@ -62,13 +93,14 @@ def _load_page_tile(cache_ptr, bt_row_ptr, n, nmask, d, dmask, kv_head,
 
 @triton.jit
 def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
-                         part_acc_ptr, part_m_ptr, part_l_ptr,
+                         part_acc_ptr, part_m_ptr, part_l_ptr, k_scale_ptr, v_scale_ptr,
                          scale, max_ctx, tokens_per_split, num_splits,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                          stride_kv, stride_blk, stride_off, stride_ch,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_HEADS: tl.constexpr,
                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr):
+                         BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+                         FP8: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -82,7 +114,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
     qmask = gmask[:, None] & dmask[None, :]
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask,
                 other=0.0)
-    q = q.to(cache_ptr.dtype.element_ty)
+    q, k_scale, v_scale = _compute_q(q, cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, scale, FP8)
     lo = split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, seq_len)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
@@ -94,16 +126,17 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
         nmask = n < hi
         offs, kvmask = _load_page_tile(cache_ptr, bt_row, n, nmask, d, dmask, kv_head,
                                        stride_blk, stride_off, stride_ch, BLOCK_SIZE)
-        k = tl.load(cache_ptr + offs, mask=kvmask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
+        k = tl.load(cache_ptr + offs, mask=kvmask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * k_scale
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
-        v = tl.load(cache_ptr + stride_kv + offs, mask=kvmask, other=0.0)
+        v = tl.load(cache_ptr + stride_kv + offs, mask=kvmask, other=0.0).to(q.dtype)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
+    acc = acc * v_scale
     if DIRECT:
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -113,6 +146,16 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
         tl.store(part_m_ptr + row, m_i, mask=gmask)
         tl.store(part_l_ptr + row, l_i, mask=gmask)
         tl.store(part_acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=qmask)
+
+
+@triton.jit
+def _compute_q(q, cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, scale, FP8: tl.constexpr):
+    """(q in the dots' dtype, the scores' factor, the accumulator's factor). Unquantized: q in
+    the cache's dtype, factors (softmax scale, 1); FP8: q keeps its dtype (the FP8 tiles are
+    converted to it), the head's K scale joins the softmax scale and its V scale the output."""
+    if FP8:
+        return q, scale * tl.load(k_scale_ptr + kv_head), tl.load(v_scale_ptr + kv_head)
+    return q.to(cache_ptr.dtype.element_ty), scale, 1.0
 
 
 @triton.jit
@@ -144,18 +187,21 @@ def _decode_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_spl
 
 # Prefill runs eagerly with every batch shape: block-table width, context bound and the packed
 # per-sequence arrays' offsets vary step to step, and specializing on them would compile a new
-# variant mid-run, stalling that step. They feed scalar index math only.
-_PREFILL_VARYING = ["bt_ptr", "seq_lens_ptr", "qsl_ptr", "max_ctx", "stride_bt"]
+# variant mid-run, stalling that step. They feed scalar index math only (the scale pointers,
+# rows of one [layers, heads] tensor, are read as scalars).
+_PREFILL_VARYING = ["bt_ptr", "seq_lens_ptr", "qsl_ptr", "k_scale_ptr", "v_scale_ptr", "max_ctx",
+                    "stride_bt"]
 
 
 @triton.jit(do_not_specialize=["max_ctx", "stride_bt"],
             do_not_specialize_on_alignment=_PREFILL_VARYING)
-def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, scale, max_ctx,
+def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, k_scale_ptr,
+                    v_scale_ptr, scale, max_ctx,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_kv, stride_blk, stride_off, stride_ch,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DOT_PREC: tl.constexpr):
+                    DOT_PREC: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0)
     m_blk = tl.program_id(1)
     h = tl.program_id(2)
@@ -171,7 +217,8 @@ def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, sc
     dmask = d < HEAD_DIM
     qmask = jmask[:, None] & dmask[None, :]
     q_offs = (q_start + j)[:, None] * stride_qt + h * stride_qh + d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=qmask, other=0.0).to(cache_ptr.dtype.element_ty)
+    q = tl.load(q_ptr + q_offs, mask=qmask, other=0.0)
+    q, k_scale, v_scale = _compute_q(q, cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, scale, FP8)
     # Keys up to the tile's last query position; an empty tile (past q_len) loops zero times.
     last = tl.minimum(m_blk * BLOCK_M + BLOCK_M, q_len)
     hi = tl.where(m_blk * BLOCK_M < q_len, tl.minimum(ctx_start + last, seq_len), 0)
@@ -184,18 +231,18 @@ def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, sc
         nmask = n < hi
         offs, kvmask = _load_page_tile(cache_ptr, bt_row, n, nmask, d, dmask, kv_head,
                                        stride_blk, stride_off, stride_ch, BLOCK_SIZE)
-        k = tl.load(cache_ptr + offs, mask=kvmask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
+        k = tl.load(cache_ptr + offs, mask=kvmask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * k_scale
         s = tl.where(nmask[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
         # Rows past q_len may see no key at all: keep their max finite so no NaN is formed.
         m_new = tl.maximum(tl.maximum(m_i, tl.max(s, 1)), -1e30)
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
-        v = tl.load(cache_ptr + stride_kv + offs, mask=kvmask, other=0.0)
+        v = tl.load(cache_ptr + stride_kv + offs, mask=kvmask, other=0.0).to(q.dtype)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_offs = (q_start + j)[:, None] * stride_ot + h * stride_oh + d[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=qmask)
 
@@ -240,17 +287,35 @@ def _cache_strides(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
     return kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)
 
 
+def _scale_args(kv_cache: torch.Tensor, kv_scales: LayerKVScales | None
+                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(K scales, V scales, FP8) kernel arguments; an unquantized cache passes itself as the
+    never-read scale pointers."""
+    scales = fp8_scales(kv_cache, kv_scales)
+    if scales is None:
+        return kv_cache, kv_cache, False
+    return scales.k, scales.v, True
+
+
+def _compute_dtype(q: torch.Tensor, kv_cache: torch.Tensor) -> torch.dtype:
+    """The dots' operand dtype: the cache's, or q's for an FP8 cache (its tiles are converted)."""
+    return q.dtype if kv_cache.element_size() == 1 else kv_cache.dtype
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, kv_scales: LayerKVScales | None = None) -> None:
     """Store k, v [T, Hkv, D] into the cache at slot_mapping (every slot valid; padding -> block 0)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    k_scale, v_scale, fp8 = _scale_args(kv_cache, kv_scales)
     _write_kv_kernel[(num_tokens, num_kv_heads)](
-        k, v, kv_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, kv_cache, slot_mapping, k_scale, v_scale,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *_cache_strides(kv_cache), BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim,
-        D_PAD=triton.next_power_of_2(head_dim))
+        D_PAD=triton.next_power_of_2(head_dim), FP8=fp8, FP8_MAX=FP8_MAX,
+        ROUND_FIRST=fp8 and _interpreting())
 
 
 def _block_n(head_dim: int) -> int:
@@ -263,7 +328,8 @@ def _num_stages(dtype: torch.dtype) -> int:
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float,
+                     kv_scales: LayerKVScales | None = None) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]; one query per sequence at position seq_len - 1."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -280,15 +346,17 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                            device=q.device)
     part_m = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
+    k_scale, v_scale, fp8 = _scale_args(kv_cache, kv_scales)
+    dtype = _compute_dtype(q, kv_cache)
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
-        q, kv_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
+        q, kv_cache, block_tables, seq_lens, out, part_acc, part_m, part_l, k_scale, v_scale,
         scale, max_ctx, per_split, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *_cache_strides(kv_cache),
         GROUP=group, GROUP_PAD=max(MIN_GROUP_PAD, triton.next_power_of_2(group)),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, DIRECT=splits == 1, DOT_PREC=_dot_precision(kv_cache.dtype),
-        num_warps=4, num_stages=_num_stages(kv_cache.dtype))
+        BLOCK_N=block_n, DIRECT=splits == 1, DOT_PREC=_dot_precision(dtype), FP8=fp8,
+        num_warps=4, num_stages=_num_stages(dtype))
     if splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_acc, part_m, part_l, out, splits, out.stride(0), out.stride(1),
@@ -298,7 +366,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
 
 
 def varlen_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                     scale: float) -> torch.Tensor:
+                     scale: float, kv_scales: LayerKVScales | None = None) -> torch.Tensor:
     """Causal paged attention for prefill, chunked prefill and mixed steps (eager path)."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -310,15 +378,17 @@ def varlen_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: Attentio
     block_m = min(64, max(16, triton.next_power_of_2(max_q_len)))
     block_tables = metadata.block_tables
     grid = (metadata.num_seqs, triton.cdiv(max_q_len, block_m), num_heads)
+    k_scale, v_scale, fp8 = _scale_args(kv_cache, kv_scales)
+    dtype = _compute_dtype(q, kv_cache)
     _prefill_kernel[grid](
-        q, kv_cache, block_tables, metadata.seq_lens, metadata.query_start_loc, out, scale,
-        block_tables.shape[1] * block_size,
+        q, kv_cache, block_tables, metadata.seq_lens, metadata.query_start_loc, out, k_scale,
+        v_scale, scale, block_tables.shape[1] * block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *_cache_strides(kv_cache),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_N=_block_n(head_dim), DOT_PREC=_dot_precision(kv_cache.dtype), num_warps=4,
-        num_stages=_num_stages(kv_cache.dtype))
+        BLOCK_N=_block_n(head_dim), DOT_PREC=_dot_precision(dtype), FP8=fp8, num_warps=4,
+        num_stages=_num_stages(dtype))
     return out
 
 

@@ -11,6 +11,7 @@ from typing import Any
 BENCHMARKS: dict[str, str] = {
     "bubble": "photon.bench.bubble",
     "profile": "photon.bench.profile",
+    "quality": "photon.bench.quality",
     "structured": "photon.bench.structured",
     "serve": "photon.bench.serve",
     "spec": "photon.bench.spec",

@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from photon.attention.kv_quant import CheckpointKVScales
 from photon.config import ConfigError, ModelConfig
 from photon.distributed.group import TPGroup
 from photon.model.registry import get_model_class
@@ -61,10 +62,13 @@ def iter_weights(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, to
 
 
 def load_model(model_config: ModelConfig, device: str, tp: TPGroup | None = None,
-               expert_parallel: bool = False) -> nn.Module:
+               expert_parallel: bool = False,
+               kv_scales: CheckpointKVScales | None = None) -> nn.Module:
     """The model on `device`; with a tensor-parallel group of more than one rank, this rank's
     shards only (each checkpoint tensor is sliced as it is read). expert_parallel (MoE models
-    only; checked by ParallelConfig): each rank holds whole experts, a share of them."""
+    only; checked by ParallelConfig): each rank holds whole experts, a share of them.
+    kv_scales: receives the checkpoint's KV cache scales (k_scale / v_scale), which are not
+    weights of the model (dropped when None)."""
     cls = get_model_class(model_config.architecture)
     torch_device = torch.device(device)
     # One rank: the model classes' own signature (those without tensor parallelism take no tp).
@@ -79,16 +83,17 @@ def load_model(model_config: ModelConfig, device: str, tp: TPGroup | None = None
     if model_config.load_format == "dummy":
         _init_dummy(model, model_config.seed)
     else:
-        _load_checkpoint(model, model_config)
+        _load_checkpoint(model, model_config, kv_scales or CheckpointKVScales())
     _process_quantized(model)
     model.eval()
     model.requires_grad_(False)
     return model
 
 
-def _load_checkpoint(model: nn.Module, model_config: ModelConfig) -> None:
+def _load_checkpoint(model: nn.Module, model_config: ModelConfig,
+                     kv_scales: CheckpointKVScales) -> None:
     files = checkpoint_files(model_config.model)
-    loaded = model.load_weights(iter_weights(files, model_config.dtype))
+    loaded = model.load_weights(kv_scales.filter(iter_weights(files, model_config.dtype)))
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         shown = ", ".join(missing[:10]) + (f" ... ({len(missing)} in all)" if len(missing) > 10 else "")

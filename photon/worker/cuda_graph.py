@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from photon.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
+from photon.attention.kv_quant import KVCacheScales
 from photon.core.inputs import StepInputs
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ class GraphModel:
     token_pool: torch.Tensor
     draft: DraftRunner | None = None
     lora: LoRABatch | None = None  # with --enable-lora: the slot grouping runs in the graph
+    kv_scales: KVCacheScales | None = None  # an FP8 cache's (fixed while graphs replay)
 
     def forward(self, meta: AttentionMetadata, pool_idx: torch.Tensor, positions: torch.Tensor
                 ) -> torch.Tensor:
@@ -70,7 +72,8 @@ class GraphModel:
             self.lora.prepare(pool_idx.shape[0])
         if self.draft is not None:
             self.draft.catch_up(input_ids, positions, meta)
-        return self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
+        return self.model(input_ids, positions,
+                          ForwardContext(meta, self.kv_caches, self.backend, self.kv_scales))
 
 
 class Captured:

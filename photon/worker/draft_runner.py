@@ -28,9 +28,10 @@ from photon.spec.draft_model import DraftStep
 from photon.worker.draft_graphs import DraftGraphs
 
 
-def kv_block_bytes(mc: ModelConfig, block_size: int) -> int:
-    """Bytes of one KV block of model `mc` (K and V of every layer)."""
-    elem = torch.tensor([], dtype=mc.dtype).element_size()
+def kv_block_bytes(mc: ModelConfig, block_size: int, dtype: torch.dtype | None = None) -> int:
+    """Bytes of one KV block of model `mc` (K and V of every layer) in `dtype` (default: the
+    model's)."""
+    elem = torch.tensor([], dtype=dtype or mc.dtype).element_size()
     return 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * elem
 
 

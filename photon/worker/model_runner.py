@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from photon.attention.backend import AttentionMetadata, ForwardContext, create_backend
+from photon.attention.kv_quant import CheckpointKVScales, build_kv_scales, kv_cache_dtype
 from photon.config import EngineConfig, check_kv_capacity, flag
 from photon.core.inputs import StepInputs, float_arrays, int_arrays
 from photon.core.runner import MaskSource
@@ -105,8 +106,11 @@ class ModelRunner:
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
         torch.manual_seed(config.model.seed)
+        # The draft model's cache (below) keeps its model's dtype: only the target's is FP8.
+        self.kv_dtype = kv_cache_dtype(config.cache.cache_dtype, self.dtype)
+        ckpt_scales = CheckpointKVScales()
         self.model = load_model(config.model, config.device, self.tp,
-                                config.parallel.enable_expert_parallel)
+                                config.parallel.enable_expert_parallel, ckpt_scales)
         self.backend = create_backend(config.attention_backend, config.device)
         # Before the KV cache is sized: the slot weights take device memory.
         self.lora = self._lora_worker()
@@ -118,8 +122,11 @@ class ModelRunner:
         mc = config.model
         shape = (2, self.num_blocks, self.block_size, self.tp.local_kv_heads(mc.num_kv_heads),
                  mc.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(mc.num_layers)]
+        self.kv_scales = build_kv_scales(
+            config.cache.cache_dtype, config.cache.calculate_kv_scales, ckpt_scales,
+            mc.num_layers, mc.num_kv_heads, shape[3], self._first_kv_head(), self.device)
         max_seqs = config.scheduler.max_num_seqs
         num_rows = request_table_size(max_seqs)
         self.pool_width = mc.max_model_len + 1
@@ -154,11 +161,15 @@ class ModelRunner:
         # Graphs capture one rank's kernels only: with tp > 1 the steps run eagerly.
         if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1:
             fwd = GraphModel(self.model, self.backend, self.kv_caches, self.token_pool, self.draft,
-                             None if self.lora is None else self.lora.batch)
+                             None if self.lora is None else self.lora.batch,
+                             self.kv_scales)
             self.graphs = StepGraphs.build(fwd, config, max_blocks, self.device)
             self.graphs.capture()
             if self.draft is not None:
                 self.draft.capture_graphs(max_seqs, max_blocks)
+        if self.kv_scales is not None:
+            # After the capture: graphs never calibrate, and steps run eagerly until it is done.
+            self.kv_scales.start_calibration()
 
     def _lora_worker(self) -> LoRAWorker | None:
         cfg = self.config
@@ -176,11 +187,16 @@ class ModelRunner:
         """A block id's bytes on this rank: the target's KV block (this rank's KV heads), plus the
         draft model's (same id)."""
         mc = self.config.model
-        size = (kv_block_bytes(mc, self.block_size) // mc.num_kv_heads
+        size = (kv_block_bytes(mc, self.block_size, self.kv_dtype) // mc.num_kv_heads
                 * self.tp.local_kv_heads(mc.num_kv_heads))
         if self.draft_config is not None:
             size += kv_block_bytes(self.draft_config, self.block_size)
         return size
+
+    def _first_kv_head(self) -> int:
+        """This rank's first KV head (heads are replicated when fewer than the ranks)."""
+        total = self.config.model.num_kv_heads
+        return self.tp.rank // max(1, self.tp.size // total) * self.tp.local_kv_heads(total)
 
     def _num_blocks(self) -> int:
         """Usable blocks + the reserved null block 0. Refuses to start when one max_model_len
@@ -274,7 +290,8 @@ class ModelRunner:
             host = build_step_inputs(rows, self.table, self.block_size, self.pool_width)
         idx, valid = host.pool_valid
         self.table.pool_valid[idx] = valid
-        graph_key = None if self.graphs is None else self.graphs.plan(rows, host)
+        calibrating = self.kv_scales is not None and self.kv_scales.calibrating
+        graph_key = None if self.graphs is None or calibrating else self.graphs.plan(rows, host)
         slot = self.slots[plan.step % 2]
         ints, floats = slot.stage(int_arrays(host.inputs), float_arrays(host.inputs))
         return PreparedStep(slot, rows, host, StepInputs(*ints, *floats), graph_key, plan.step,
@@ -356,8 +373,11 @@ class ModelRunner:
         input_ids = self.token_pool.view(-1)[dev.pool_idx].long()
         if self.draft is not None:
             self.draft.catch_up(input_ids, dev.positions, meta)
-        ctx = ForwardContext(meta, self.kv_caches, self.backend)
-        return self.model(input_ids, dev.positions, ctx)
+        ctx = ForwardContext(meta, self.kv_caches, self.backend, self.kv_scales)
+        hidden = self.model(input_ids, dev.positions, ctx)
+        if self.kv_scales is not None:
+            self.kv_scales.finish_calibration()
+        return hidden
 
     # ---- sample -------------------------------------------------------------------------------
     def _token_bitmask(self, h: StepHandle) -> TokenMask | None:

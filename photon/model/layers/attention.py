@@ -24,5 +24,7 @@ class Attention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale)
+        scales = None if ctx.kv_scales is None else ctx.kv_scales.layer(self.layer_idx, k, v)
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale,
+                                  scales)
         return out.reshape(-1, self.num_heads * self.head_dim)
