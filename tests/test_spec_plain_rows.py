@@ -242,3 +242,26 @@ def test_preemption_and_aborts_with_a_draft_model(target: str) -> None:
     counters = llms[0].engine.runner.spec.counters  # every speculative row got K drafts
     assert counters.num_draft_tokens == sum(_spec_rows(audit)) > 0
     assert counters.num_accepted_tokens > 0
+
+
+def test_steps_with_speculation_off_replay_the_decode_graphs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With graphs (CPU stand-ins), every decode step of a switched-off engine replays a decode
+    graph and resolves nothing on the device."""
+    from tests.test_spec_graphs import _install_graphs
+
+    specs = _specs()
+    base, _ = run(_llm(False, dtype="float32"), specs)
+    llm = _llm(True, K, dtype="float32", max_num_seqs=4)
+    attach_policy(llm, ExpensiveFrom(1))
+    graphs = _install_graphs(llm, monkeypatch)
+    spec = llm.engine.runner.spec
+    resolved: list[int] = []
+    resolve = spec.resolve
+    spec.resolve = lambda dev, num_rows, k: resolved.append(k) or resolve(dev, num_rows, k)
+    out, audit = run(llm, specs)
+    assert out == base
+    decode_steps = sum(bool(rows) and all(n == 1 for _, _, n, _ in rows)
+                       for rows in audit.schedule)
+    assert graphs.decode.replays == decode_steps > 0
+    assert graphs.spec_replays == 0 and resolved == []
