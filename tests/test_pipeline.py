@@ -38,6 +38,9 @@ class Audit:
     # Every plan: (request id, first position, tokens, samples) per row; the first row of an
     # admitted request starts at its prefix-cache hit.
     schedule: list[tuple[tuple[str, int, int, bool], ...]] = field(default_factory=list)
+    # Aligned with `schedule`: per row, the drafts it verifies if it is a speculative row, else
+    # None (a plain row: positions from the host).
+    row_spec: list[tuple[int | None, ...]] = field(default_factory=list)
 
     def install(self) -> None:
         sched, kv = self.core.scheduler, self.core.kv
@@ -47,6 +50,7 @@ class Audit:
             out = orig_plan()
             self.schedule.append(tuple((q.request_id, r.start, r.num_tokens, r.sample)
                                        for r, q in zip(out.plan.rows, out.requests)))
+            self.row_spec.append(tuple(r.spec if r.speculative else None for r in out.plan.rows))
             return out
 
         def add(req: Request) -> None:

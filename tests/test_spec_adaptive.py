@@ -1,8 +1,8 @@
 """The adaptive switch: each step verifies K_eff in 0..K drafts, chosen on the host from the
 measured acceptance and a step-time cost model. With a cost model that makes speculation
-expensive from a batch size on, large batches run K_eff = 0 (speculative rows with no drafts)
-and greedy tokens stay those of the engine without speculation; speculation comes back when the
-batch shrinks; pipelined equals blocking with switching."""
+expensive from a batch size on, large batches run K_eff = 0 (plain rows) and greedy tokens stay
+those of the engine without speculation; speculation comes back when the batch shrinks;
+pipelined equals blocking with switching."""
 
 from __future__ import annotations
 
@@ -32,8 +32,14 @@ class ExpensiveFrom:
 def _adaptive(pipelined: bool, n: int) -> tuple[LLM, list[tuple[int, int]]]:
     """An engine whose policy uses ExpensiveFrom(n); the (batch size, K_eff) of every choice."""
     llm = _llm(pipelined, K)
+    return llm, attach_policy(llm, ExpensiveFrom(n))
+
+
+def attach_policy(llm: LLM, cost: object, k: int = K) -> list[tuple[int, int]]:
+    """Give `llm`'s scheduler an AdaptiveSpec with the cost model `cost`; return the list the
+    (batch size, K_eff) of every choice (one per plan) goes to."""
     sched = llm.engine.scheduler
-    policy = AdaptiveSpec(K, llm.engine.runner.spec.counters, ExpensiveFrom(n))
+    policy = AdaptiveSpec(k, llm.engine.runner.spec.counters, cost)
     choices: list[tuple[int, int]] = []
     choose = policy.choose
 
@@ -44,7 +50,7 @@ def _adaptive(pipelined: bool, n: int) -> tuple[LLM, list[tuple[int, int]]]:
 
     policy.choose = record
     sched.spec_policy = policy
-    return llm, choices
+    return choices
 
 
 def _specs() -> list[Spec]:
@@ -68,9 +74,11 @@ def test_large_batches_switch_speculation_off_and_small_ones_back_on() -> None:
     small = [i for i, (b, _) in enumerate(choices_p) if b == 1]
     assert big and small and max(big) < min(small)  # off while 4..2 run, then back on
     assert _accepted(llm_p) == _accepted(llm_b) > 0
-    # Rows planned while off verify no draft: the schedule shows 1-token speculative rows.
+    # Rows planned while off verify no draft: every row of a request that speculates queries
+    # one token, and is a plain row (the switch is off from the first plan on).
     widths = {n for rows in audit_p.schedule[:len(big)] for _, _, n, s in rows if s}
     assert K + 1 not in widths
+    assert all(s is None for rows in audit_p.row_spec[:len(big)] for s in rows)
 
 
 def test_an_expensive_cost_everywhere_keeps_speculation_off() -> None:
@@ -84,11 +92,12 @@ def test_an_expensive_cost_everywhere_keeps_speculation_off() -> None:
     out, audit = run(llm, specs)
     assert out == base
     # Steps verifying no drafts propose none for the next step: the proposer never runs
-    # (the first prefill step's choice is 0 too).
+    # (the first prefill step's choice is 0 too: its batch counts the waiting requests).
     assert calls == []
-    assert {k for b, k in choices if b} == {0} and _accepted(llm) == 0
+    assert {k for _, k in choices} == {0} and _accepted(llm) == 0
     assert llm.engine.runner.spec.counters.num_drafts == 0
-    assert all(r.spec_k == K for r in audit.requests.values())  # speculative rows throughout
+    assert all(r.spec_k == K for r in audit.requests.values())  # requests that speculate ...
+    assert all(s is None for rows in audit.row_spec for s in rows)  # ... in plain rows only
 
 
 def test_measured_cost_model_predicts_from_its_prior_then_measurements() -> None:

@@ -121,8 +121,10 @@ def _install_graphs(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> StepGraphs:
     graphs.capture()
     spec_run = graphs.spec.run
     bs = r.block_size
+    graphs.spec.replayed_ks = set()  # the K_eff of every speculative replay
 
     def checked(key, dev, num_rows):  # noqa: ANN001, ANN202
+        graphs.spec.replayed_ks.add(key.k)
         real = num_rows * (key.k + 1)
         assert dev.slot_mapping[real:].lt(bs).all(), "padding writes only the null block"
         assert dev.pool_idx[real:].eq(0).all() and dev.spec_rows.lt(num_rows).all()
@@ -151,7 +153,10 @@ def test_ngram_greedy_with_spec_graphs_equals_greedy(k: int,
 
 
 class _Cycle:
-    """A speculation policy verifying 0, 3, 1, 2, 0, ... drafts in turn."""
+    """A speculation policy verifying 0, 3, 1, 2, 3, 0, ... drafts in turn (after 0 the 3 runs
+    plain rows that propose; the rows of 1, 2, 3 verify drafts)."""
+
+    CYCLE = (0, 3, 1, 2, 3)
 
     def __init__(self) -> None:
         self.n = 0
@@ -159,8 +164,8 @@ class _Cycle:
 
     def choose(self, batch_size: int) -> int:
         self.n += 1
-        self.seen.add(self.n % 4)
-        return (0, 3, 1, 2)[self.n % 4]
+        self.seen.add(self.n % len(self.CYCLE))
+        return self.CYCLE[self.n % len(self.CYCLE)]
 
     def committed(self, step: int, batch_size: int, k: int, decode_only: bool) -> None:
         pass
@@ -181,8 +186,9 @@ def test_every_k_eff_with_graphs_equals_greedy(monkeypatch: pytest.MonkeyPatch) 
     assert sorted(graphs.spec.batches) == [1, 2, 3]
     out, _ = run(llm, specs)
     assert out == base
-    assert graphs.spec_replays > 0 and graphs.decode.replays > 0 and len(policy.seen) == 4
+    assert graphs.spec_replays > 0 and graphs.decode.replays > 0 and len(policy.seen) == 5
     assert {key.k for key in graphs.spec.graphs} == {1, 2, 3}
+    assert graphs.spec.replayed_ks == {1, 2, 3}
 
 
 def test_draft_model_greedy_with_graphs_equals_greedy(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -75,6 +75,9 @@ class Request:
     # A sampling row was planned since the request entered the runner's table: the device knows
     # its length, so its next rows can be speculative.
     spec_live: bool = False
+    # The runner proposes drafts after its last planned sampling row (planned in a step whose
+    # K_eff > 0): a speculative row after it has drafts to verify.
+    spec_drafted: bool = False
     inflight_refs: int = 0
     finished: bool = False  # output is final and reported; resources wait for inflight_refs == 0
     # Its index in the runner's request table while it holds one (admitted, not yet released).

@@ -12,7 +12,9 @@ Speculative requests (`spec_k` K > 0, fixed at `add`) decode with speculative ro
 `num_computed_tokens` is a lower bound (each speculative row counts its one certain position;
 commit adds the accepted drafts), `num_pending_max` bounds what the rows in flight add, and KV
 blocks are reserved for the upper bound (committed + num_pending_max + K, capped at
-max_model_len); commit returns the blocks past the new bound.
+max_model_len); commit returns the blocks past the new bound. In a step whose K_eff is 0 (the
+adaptive switch), a speculative request whose length the host knows (no row in flight verifies
+drafts) runs a plain row: the plain decode step, with nothing resolved on the device.
 """
 
 from __future__ import annotations
@@ -56,6 +58,15 @@ def speculates(req: Request) -> bool:
     (structured outputs) run as plain rows: their masks are per row. min_tokens speculates: the
     sampler applies its stop-token bans per verified position from the device's output index."""
     return req.grammar is None
+
+
+def _measures_k_eff(step: SchedulerOutput) -> bool:
+    """A decode step whose time is a step time of its K_eff: every row queries one token or
+    verifies drafts, and every speculative request's row verifies the step's K_eff (not a plain
+    row of a step with K_eff > 0, which proposes drafts it did not verify)."""
+    k = step.spec_k
+    return all(r.num_tokens == r.spec + 1 and (r.spec == k or not q.spec_k)
+               for r, q in zip(step.plan.rows, step.requests))
 
 
 class Scheduler:
@@ -175,6 +186,7 @@ class Scheduler:
         running = RequestStatus.RUNNING
         k_eff = self._spec_width()
         out.spec_k = k_eff
+        out.plan.propose = k_eff > 0
         for req in list(self.running):  # a copy: preemption edits the list
             if budget == 0:
                 break
@@ -184,7 +196,7 @@ class Scheduler:
             if req.status is not running or n_out >= req.max_tokens:
                 continue  # preempted this step, or every output already sampled
             known = len(req.prompt_token_ids) + n_out
-            if req.spec_live and req.spec_k:
+            if req.spec_live and req.spec_k and not self._plain_row(req, k_eff):
                 budget -= self._plan_spec_row(req, budget, out, k_eff)
                 continue
             num_new = min(known - req.num_computed_tokens, budget)
@@ -201,10 +213,20 @@ class Scheduler:
 
     def _spec_width(self) -> int:
         """K_eff, the drafts this step's speculative rows verify: the policy's choice for the
-        running batch (host data only), or K without a policy."""
+        batch (host data only), or K without a policy. The batch: the running requests and the
+        waiting ones it may admit (the step proposes for their first sampling rows)."""
         if not self.spec_k or self.spec_policy is None:
             return self.spec_k
-        return min(self.spec_k, self.spec_policy.choose(len(self.running)))
+        batch = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        return min(self.spec_k, self.spec_policy.choose(batch))
+
+    @staticmethod
+    def _plain_row(req: Request, k: int) -> bool:
+        """Whether a live speculative request runs a plain row (positions from the host, the
+        plain decode path) in a step verifying `k` drafts: its length is known on the host (no
+        row in flight verifies drafts: each adds exactly one token) and the step verifies none,
+        or it has none to verify (its last sampling row proposed none: this one proposes)."""
+        return req.num_pending_max == req.num_pending and (k == 0 or not req.spec_drafted)
 
     def _plan_spec_row(self, req: Request, budget: int, out: SchedulerOutput, k: int) -> int:
         """A speculative row verifying `k` drafts for `req` if the budget and the KV cache
@@ -222,6 +244,7 @@ class Scheduler:
         req.num_computed_tokens += 1  # the last known token's position; drafts count at commit
         req.num_pending += 1
         req.num_pending_max += k + 1
+        req.spec_drafted = out.plan.propose
         req.inflight_refs += 1
         return k + 1
 
@@ -360,6 +383,8 @@ class Scheduler:
         req.num_pending += int(sample)
         req.num_pending_max += int(sample)
         req.spec_live = req.spec_live or sample
+        if sample and req.spec_k:
+            req.spec_drafted = out.plan.propose  # the runner proposes after this row
         req.inflight_refs += 1  # the launch reference, dropped by commit()
 
     def preempt(self, req: Request) -> None:
@@ -392,9 +417,8 @@ class Scheduler:
             elif req.inflight_refs == 0:
                 self._maybe_release(req)  # only preempted or finished requests release
         if self.spec_policy is not None and step.plan.rows:
-            rows = step.plan.rows
-            decode = all(r.speculative or r.num_tokens == 1 for r in rows)
-            self.spec_policy.committed(step.plan.step, len(rows), step.spec_k, decode)
+            self.spec_policy.committed(step.plan.step, len(step.plan.rows), step.spec_k,
+                                       _measures_k_eff(step))
         return touched
 
     def _append_all(self, req: Request, row: ScheduledRow, toks: list[CommittedToken],

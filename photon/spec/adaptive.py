@@ -1,15 +1,15 @@
 """The adaptive switch: how many drafts a step verifies, chosen per step on the host.
 
 Each step the scheduler asks `AdaptiveSpec.choose(B)` for K_eff in 0..K, the drafts every
-speculative row of the step verifies (B: the running requests). It maximises tokens per second,
+speculative row of the step verifies (B: the requests the step may run). It maximises tokens per
+second,
 
     E(k) / T(B, k),   E(k) = 1 + sum_{j < k} a_j,
 
 where a_j is the share of draft runs whose draft j was accepted (the engine's running
 per-position counts, `SpecDecodingStats`; prior pseudo-counts before any exist) and T(B, k) the
 step time a `StepCostModel` predicts for B rows verifying k drafts. K_eff = 0 is the plain
-decode step's cost in the speculative row form (one query position at the device's length), so
-the host never needs the accepted counts of the steps in flight.
+decode step: the scheduler plans plain rows for the requests whose length the host knows.
 
 `MeasuredCostModel`, the default, keeps an online estimate of T per (batch-size bucket, k) from
 the times between consecutive committed decode steps, and predicts unmeasured entries with a

@@ -199,9 +199,9 @@ def build_step_inputs(rows: list[ScheduledRow], table: RequestTable, block_size:
         i64([rows[i].req_index for i in smp.spec_rows.tolist()]), smp.spec_vrows,
         sampled_req[table.spec[sampled_req] > 0],
         np.repeat(table.lora[i64([r.req_index for r in rows])], qlens), *g.floats, bias_values)
-    # A speculative row leaves the pool's host-known part as it was (the device knows more).
-    valid = i64([int(table.pool_valid[r.req_index]) if r.speculative else r.seq_len + int(r.sample)
-                 for r in rows])
+    # After a speculative row the device keeps the request's pool complete up to its length
+    # (every later row's inputs are there: the host never writes them).
+    valid = i64([pool_width if r.speculative else r.seq_len + int(r.sample) for r in rows])
     return HostStep(inputs, seq_lens, qlens, all(q == 1 for q in qlens), smp.rows, g.flags,
                     (i64([r.req_index for r in rows]), valid), spans,
                     smp.widths if smp.spec_rows.size else None,

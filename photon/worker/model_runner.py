@@ -72,6 +72,7 @@ class PreparedStep:
     dev: StepInputs[torch.Tensor]  # device views of the staged inputs (valid after the upload)
     graph_key: GraphKey | None
     step: int  # the plan's step number
+    propose: bool  # the plan's: propose drafts after sampling
     lora_loads: list[StagedLoad] = field(default_factory=list)  # into slots before the forward
 
 
@@ -83,6 +84,7 @@ class StepHandle:
     dev: StepInputs[torch.Tensor]
     logits: torch.Tensor | None
     step: int
+    propose: bool
     num_sampled: int = 0  # rows that sample (grammar masks: one each)
     max_logprobs: int = -1
     marks: StepMarks | None = None  # set only while a StepProbe is attached (benchmarks)
@@ -295,7 +297,7 @@ class ModelRunner:
         slot = self.slots[plan.step % 2]
         ints, floats = slot.stage(int_arrays(host.inputs), float_arrays(host.inputs))
         return PreparedStep(slot, rows, host, StepInputs(*ints, *floats), graph_key, plan.step,
-                            self._stage_lora(plan))
+                            plan.propose, self._stage_lora(plan))
 
     def _stage_lora(self, plan: StepPlan) -> list[StagedLoad]:
         """The plan's adapter loads from the host cache; the requests of a slot whose adapter
@@ -338,8 +340,8 @@ class ModelRunner:
             self._score_prompt(slot, hidden, dev, host.prompt_k)
         if marks is not None:
             self.probe.mark(marks, "fwd_end")
-        return StepHandle(slot, prep.rows, host, dev, logits, prep.step, len(host.sample_rows),
-                          host.flags.max_logprobs, marks)
+        return StepHandle(slot, prep.rows, host, dev, logits, prep.step, prep.propose,
+                          len(host.sample_rows), host.flags.max_logprobs, marks)
 
     def _score_prompt(self, slot: StepSlot, hidden: torch.Tensor, dev: StepInputs[torch.Tensor],
                       k: int) -> None:
@@ -439,20 +441,28 @@ class ModelRunner:
             if k > 0:
                 views.topk_ids.copy_(lps[2])
                 views.topk_lp.copy_(lps[3])
-        if self.spec is not None:
-            # A step verifying no drafts (the adaptive switch chose K_eff = 0, which it keeps
-            # while the batch stays in its bucket) predicts the next one: no proposals, so no
-            # proposer cost. A later step with K_eff > 0 verifies nothing once, losslessly.
-            propose = h.host.spec_k > 0
-            if propose:
-                self._bind_draft(h)
-            self.spec.advance(tokens, h.dev, self.token_pool, propose)
-        else:
-            self.token_pool.view(-1)[h.dev.sample_pool_idx] = tokens.to(torch.int32)
+        self._advance(h, tokens)
         if h.marks is not None:
             self.probe.mark(h.marks, "smp_end")
         # The other ranks sampled the same tokens into their pools; only rank 0's reach the host.
         h.slot.download(self.streams, rows if self.tp.is_first else 0, k)
+
+    def _advance(self, h: StepHandle, tokens: torch.Tensor) -> None:
+        """The step's tokens into the pool where the next step reads them. With speculation:
+        the device lengths, then the next drafts when the plan says so (its K_eff > 0: a step
+        verifying none, the adaptive switch's choice while the batch stays large, predicts the
+        next one, so it skips the proposer's cost). A step without speculative rows (plain
+        rows of speculative requests included) takes the plain path."""
+        spec = self.spec
+        if spec is not None and h.host.widths is not None:
+            spec.advance(tokens, h.dev, self.token_pool)
+        else:
+            self.token_pool.view(-1)[h.dev.sample_pool_idx] = tokens.to(torch.int32)
+            if spec is not None:
+                spec.advance_plain(h.dev)
+        if spec is not None and h.propose:
+            self._bind_draft(h)
+            spec.propose(h.dev.propose_reqs, self.token_pool)
 
     def _bind_draft(self, h: StepHandle) -> None:
         """The draft model's step for the requests that propose after step `h`."""

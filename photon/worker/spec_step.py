@@ -2,9 +2,12 @@
 
 Invariant: the device knows each request's length, `dev_len[req_index]` (committed tokens plus
 those accepted by steps not yet committed), and the host never reads it. Every sampling row sets
-it (plain rows: seq_len + 1; speculative rows: dev_len + accepted + 1), and after each sampling
-row of a speculative request the proposer writes its next drafts into the token pool at
-dev_len .. dev_len + K - 1 (`num_draft[req_index]` of them are proposals). A speculative row
+it (plain rows: seq_len + 1, `advance_plain`; speculative rows: dev_len + accepted + 1,
+`advance`), and after each sampling row of a speculative request in a step that proposes
+(`StepPlan.propose`: its K_eff > 0) the proposer writes its next drafts into the token pool at
+dev_len .. dev_len + K - 1 (`num_draft[req_index]` of them are proposals). `num_draft` is read
+only by a row verifying drafts, which the scheduler plans only after such a proposing row (a
+row verifying none clamps it to 0). A speculative row
 (photon.core.step.ScheduledRow) then queries positions dev_len - 1 .. dev_len + K - 1: its last
 known token and the drafts, all read from the pool. The host stages placeholders for them and
 `resolve` fills them at launch, so step t+1 is launched before step t's accepted counts reach
@@ -127,10 +130,14 @@ class SpecDecoder:
         tokens[v] = torch.where(no_draft, NO_DRAFT, out.tokens).reshape(-1)
         return tokens, raw
 
-    def advance(self, tokens: Tensor, dev: StepInputs[Tensor], pool: Tensor,
-                propose: bool = True) -> None:
-        """After a step's draw: its tokens into the pool, the new lengths, the next drafts
-        (`propose` False: none; the requests then have no drafts until they propose again)."""
+    def advance_plain(self, dev: StepInputs[Tensor]) -> None:
+        """After a step without speculative rows (its tokens are in the pool): the new lengths.
+        Each sampling row added one token at seq_len."""
+        self.dev_len[dev.pool_rows] = dev.sample_seq_lens + 1
+
+    def advance(self, tokens: Tensor, dev: StepInputs[Tensor], pool: Tensor) -> None:
+        """After a step's draw with speculative rows: its tokens into the pool, the new
+        lengths."""
         flat = pool.view(-1)
         idx = dev.sample_pool_idx
         keep = tokens >= 0
@@ -138,10 +145,6 @@ class SpecDecoder:
         # Row r's new length: the largest (position + 1) of its sampling rows that kept a token.
         ends = torch.where(keep, dev.sample_seq_lens + 1, torch.zeros_like(idx))
         self.dev_len.scatter_reduce_(0, dev.pool_rows, ends, "amax", include_self=False)
-        if propose:
-            self.propose(dev.propose_reqs, pool)
-        else:
-            self.num_draft.index_fill_(0, dev.propose_reqs, 0)
 
     def propose(self, req: Tensor, pool: Tensor) -> None:
         """The next drafts of requests `req` into the pool at dev_len .. dev_len + K - 1."""

@@ -43,7 +43,7 @@ def test_greedy_speculation_equals_greedy_cuda(k: int) -> None:
 
 
 def test_every_k_eff_replays_a_graph_cuda() -> None:
-    """Adaptive K_eff (a policy cycling 0, 3, 1, 2): 1..K replay speculative graphs, 0 the
+    """Adaptive K_eff (a policy cycling 0, 3, 1, 2, 3): 1..K replay speculative graphs, 0 the
     decode graphs; greedy tokens stay those of greedy decoding."""
     specs = [Spec(p, GREEDY) for p in _prompts(7)]
     base, _ = run(LLM(pipelined=False, **KW), specs)
