@@ -152,10 +152,18 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
 def _compute_q(q, cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, scale, FP8: tl.constexpr):
     """(q in the dots' dtype, the scores' factor, the accumulator's factor). Unquantized: q in
     the cache's dtype, factors (softmax scale, 1); FP8: q keeps its dtype (the FP8 tiles are
-    converted to it), the head's K scale joins the softmax scale and its V scale the output."""
+    converted to it), the head's K scale joins the softmax scale and its V scale the output.
+    One return with the same types on both paths: the compiler checks every return of a
+    function against the others, constexpr branches included."""
     if FP8:
-        return q, scale * tl.load(k_scale_ptr + kv_head), tl.load(v_scale_ptr + kv_head)
-    return q.to(cache_ptr.dtype.element_ty), scale, 1.0
+        q_dot = q
+        k_factor = scale * tl.load(k_scale_ptr + kv_head).to(tl.float32)
+        v_factor = tl.load(v_scale_ptr + kv_head).to(tl.float32)
+    else:
+        q_dot = q.to(cache_ptr.dtype.element_ty)
+        k_factor = scale * 1.0
+        v_factor = 1.0
+    return q_dot, k_factor, v_factor
 
 
 @triton.jit
