@@ -178,9 +178,10 @@ def test_grammar_requests_run_as_plain_rows_beside_speculative_ones() -> None:
     base, _ = run(_llm(False), specs)
     llm = _llm(True, 3)
     pipelined, audit = run(llm, specs)
-    blocking, audit_b = run(_llm(False, 3), specs)
+    blocking, _ = run(_llm(False, 3), specs)
+    # Tokens, not schedules: when the grammar request is admitted depends on how long its
+    # grammar takes to compile (a wall-clock race), which moves the other rows' steps.
     assert pipelined == blocking
-    assert audit.schedule == audit_b.schedule
     assert pipelined["r0"] == base["r0"] and pipelined["r2"] == base["r2"]
     assert _accepted(llm) > 0
     text = llm.engine.tokenizer.decode(pipelined["r1"][0][0])
