@@ -497,8 +497,14 @@ class ModelRunner:
         if k >= 0:
             lps, ranks = host.logprob.tolist(), host.ranks.tolist()
             top_ids, top_lps = host.topk_ids.tolist(), host.topk_lp.tolist()
+        rows = h.host.sample_rows
+        if widths is None and k < 0:  # the common step: one token per row, no logprobs
+            for i, t in zip(rows, tokens):
+                if t >= 0:
+                    result[i] = [CommittedToken(t)]
+            return result
         at = 0
-        for j, i in enumerate(h.host.sample_rows):
+        for j, i in enumerate(rows):
             end = at + (1 if widths is None else widths[j])
             result[i] = [CommittedToken(tokens[v]) if k < 0 else
                          CommittedToken(tokens[v], lps[v], ranks[v], top_ids[v], top_lps[v])
