@@ -83,17 +83,30 @@ def make_hf_model(path: str, arch: str, *, tied: bool = False,
     return path
 
 
+def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at `path`, by name (all its safetensors files)."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in glob.glob(f"{path}/*.safetensors"):
+        tensors.update(load_file(file))
+    return tensors
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def make_engine_model(path: str, arch: str, **kwargs: object) -> str:
-    """A random HF checkpoint plus photon-tiny's byte-level tokenizer: loadable by the engine."""
+def make_engine_model(path: str, arch: str, vocab_size: int = 1024, **kwargs: object) -> str:
+    """A random HF checkpoint plus photon-tiny's byte-level tokenizer: loadable by the engine
+    (`vocab_size` covers the tokenizer's 1000 ids)."""
     import os
     import shutil
 
     from photon.model.tiny import ensure_photon_tiny_random
 
-    make_hf_model(path, arch, vocab_size=1024, **kwargs)
+    make_hf_model(path, arch, vocab_size=vocab_size, **kwargs)
     tiny = ensure_photon_tiny_random()
     for name in TOKENIZER_FILES:
         shutil.copy(os.path.join(tiny, name), os.path.join(path, name))

@@ -4,17 +4,14 @@ the tokens equal those of one rank; each rank loads only its share of the expert
 
 from __future__ import annotations
 
-import glob
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from photon.config import ConfigError, EngineArgs
 from photon.distributed.group import TPGroup
 from photon.model.layers.moe import ExpertRange, FusedMoE
 from photon.model.loader import load_model
-from tests.hf_models import MIXTRAL, QWEN3_MOE, make_engine_model
+from tests.hf_models import MIXTRAL, QWEN3_MOE, make_engine_model, read_checkpoint
 from tests.test_models import model_config
 from tests.tp_util import engine, run_all, tp_config
 
@@ -58,13 +55,6 @@ def _first_experts(model: torch.nn.Module) -> FusedMoE:
     return next(m for m in model.modules() if isinstance(m, FusedMoE))
 
 
-def _checkpoint(path: str) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for file in glob.glob(f"{path}/*.safetensors"):
-        tensors.update(load_file(file))
-    return tensors
-
-
 def _expert(hf: dict[str, torch.Tensor], layer: int, e: int, proj: str) -> torch.Tensor:
     """One expert's projection (gate, up or down) under either family's checkpoint names."""
     mixtral = {"gate": "w1", "up": "w3", "down": "w2"}
@@ -81,7 +71,7 @@ def test_each_rank_loads_only_its_experts(tmp_path, arch: str, rank: int) -> Non
     """Expert parallel: rank r of 2 holds experts [r*E/2, (r+1)*E/2), whole. Without it: every
     expert, rows/columns [r*I/2, (r+1)*I/2) of its intermediate dimension."""
     path = make_engine_model(str(tmp_path / "m"), arch, extra=MODELS[arch])
-    hf = _checkpoint(path)
+    hf = read_checkpoint(path)
     tp = TPGroup(rank, 2)  # loading runs no collective: no process group needed
     ep = _first_experts(load_model(model_config(path), "cpu", tp, expert_parallel=True))
     num_experts, inter, hidden = ep.experts.num_experts, ep.intermediate_size, ep.hidden_size

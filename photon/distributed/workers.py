@@ -46,6 +46,11 @@ class TPWorkers:
         size = parallel.tensor_parallel_size
         store = bind_store(_HOST, size, parallel.collective_timeout_s)
         spec = TPGroupSpec(_HOST, store.port, size, parallel.collective_timeout_s, config.device)
+        # On CPU the ranks share the host's cores; rank 0 (this process) takes its share too,
+        # until shutdown() gives the process its threads back.
+        self._saved_threads = None if config.device == "cuda" else torch.get_num_threads()
+        if self._saved_threads is not None:
+            torch.set_num_threads(cpu_threads_per_rank(size))
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=worker_main, args=(config, spec, rank), daemon=True,
                                   name=f"photon-tp-rank{rank}") for rank in range(1, size)]
@@ -57,6 +62,7 @@ class TPWorkers:
             self.group: TPGroup | None = TPGroup.join(spec, 0, store)
         except Exception as e:
             self._finalizer()
+            self._restore_threads()
             raise TensorParallelError(f"tensor-parallel workers did not join: {e}") from e
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -78,6 +84,12 @@ class TPWorkers:
         self.group = None
         _reap(self.procs, timeout_s)
         self._finalizer.detach()
+        self._restore_threads()
+
+    def _restore_threads(self) -> None:
+        if self._saved_threads is not None:
+            torch.set_num_threads(self._saved_threads)
+            self._saved_threads = None
 
     def _send(self, data: bytes) -> None:
         self._guard(lambda g: g.broadcast_bytes(data))
@@ -98,6 +110,13 @@ class TPWorkers:
         who = ", ".join(dead) if dead else "a rank stopped answering"
         return TensorParallelError(f"tensor-parallel worker failed: {who}; the engine stops "
                                    f"({type(cause).__name__}: {cause})")
+
+
+def cpu_threads_per_rank(size: int) -> int:
+    """Torch threads of each of `size` CPU ranks: the host's cores split evenly (at least one).
+    More would oversubscribe the cores: a rank's idle intra-op threads keep spinning while the
+    other ranks compute, and every collective waits for the slowest rank."""
+    return max(1, (os.cpu_count() or 1) // size)
 
 
 def _reap(procs: list[mp.Process], timeout_s: float) -> None:
@@ -147,7 +166,7 @@ def worker_main(config: EngineConfig, spec: TPGroupSpec, rank: int) -> None:
     if spec.device == "cuda":
         torch.cuda.set_device(rank)
     else:  # the ranks share the host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
+        torch.set_num_threads(cpu_threads_per_rank(spec.size))
     group = TPGroup.join(spec, rank)
     _WorkerLoop(config, group).run()
     # Stopped cleanly: leave without running the interpreter's teardown, which can abort on the

@@ -11,7 +11,9 @@ from photon.model.layers.linear import copy_into, new_param, tp_or_single
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank holds a contiguous vocab range [vocab_start, vocab_end)."""
+    """Each rank holds a contiguous vocab range [vocab_start, vocab_end) in a shard of
+    ceil(vocab_size / tp) rows; the rows past vocab_end (the last ranks' padding when tp does not
+    divide the vocabulary) are zero. A tiny vocabulary can leave a last rank no rows at all."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -19,7 +21,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.vocab_size = vocab_size
         self.vocab_per_partition = -(-vocab_size // self.tp_size)
-        self.vocab_start = self.tp_rank * self.vocab_per_partition
+        self.vocab_start = min(self.tp_rank * self.vocab_per_partition, vocab_size)
         self.vocab_end = min(self.vocab_start + self.vocab_per_partition, vocab_size)
         self.weight = new_param(self.vocab_per_partition, hidden_size, loader=self.weight_loader)
 
