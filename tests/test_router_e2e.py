@@ -103,6 +103,11 @@ def test_prefix_aware_routes_each_group_to_the_server_holding_its_prefix() -> No
                                      if a != b)
             gained = [_prefix_hits(live) - b for (live, _), b in zip(servers, before)]
             mismatches = sum(s.stats.hash_mismatches for s in router.subscribers.values())
+            # POST /reset_prefix_cache (vLLM's) empties a server's cache: its AllBlocksCleared
+            # event empties the router's index of it.
+            for u in urls:
+                assert httpx.post(u + "/reset_prefix_cache", timeout=30).status_code == 200
+            wait_until(lambda: router.index.num_blocks() == 0, "index emptied by the resets")
     assert mismatches == 0  # the router hashes prompts as the servers do
     assert set(holder.values()) == set(urls)  # the least-load tie-break spread the groups
     # Each follow-up was sent where its group's blocks were: every shared block is a hit there.

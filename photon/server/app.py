@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -114,6 +115,16 @@ def _add_utility_routes(app: FastAPI, serving: Serving, metrics: ServerMetrics) 
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reset_prefix_cache", responses={409: {"model": ErrorResponse}})
+    async def reset_prefix_cache() -> Any:
+        """vLLM's: forget every cached prefix (a router's KV events then say AllBlocksCleared).
+        Refused with 409 while requests hold KV blocks (their blocks would be cached again)."""
+        done = await asyncio.to_thread(serving.engine.call_utility, "reset_prefix_cache")
+        if not done:
+            return error_response(409, "requests still hold KV blocks; reset the prefix cache "
+                                       "when the server is idle", code="engine_busy")
+        return {"status": "ok"}
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(req: TokenizeRequest) -> Any:
