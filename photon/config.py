@@ -388,7 +388,9 @@ class EngineArgs:
             "on the prefill instance, kv_role kv_consumer on the decode instance (kv_both: "
             "either). kv_connector_extra_config: timeout_s (default 30: a transfer not done by "
             "then falls back), on_failure (recompute: the decode instance computes the prompt "
-            "itself, the default; fail: the request fails). Default: off."))
+            "itself, the default; fail: the request fails). kv_connector NcclConnector "
+            "(torch.distributed send/recv; gloo on CPU): kv_ip and kv_port of the prefill "
+            "instance's rendezvous (default 127.0.0.1, port 0: a free one). Default: off."))
 
     enable_lora: bool = field(default=False, metadata=_help(
         "Serve LoRA adapters (PEFT format: adapter_config.json and adapter_model.safetensors, "

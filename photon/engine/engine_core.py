@@ -155,10 +155,11 @@ class EngineCore:
             return
         engine_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         bs = self.config.cache.block_size
-        self.runner.attach_kv_connector(
-            create_connector(kvt, KVConnectorRole.WORKER, engine_id, bs))
-        self.scheduler.remote = RemoteKV(
-            create_connector(kvt, KVConnectorRole.SCHEDULER, engine_id, bs), self.kv)
+        worker = create_connector(kvt, KVConnectorRole.WORKER, engine_id, bs)
+        self.runner.attach_kv_connector(worker)
+        scheduler = create_connector(kvt, KVConnectorRole.SCHEDULER, engine_id, bs)
+        scheduler.set_xfer_handshake_metadata(worker.get_handshake_metadata())
+        self.scheduler.remote = RemoteKV(scheduler, self.kv)
         self.scheduler.on_kv_failure = kvt.extra.on_failure
 
     def _kv_params(self, values: dict | None, params: SamplingParams) -> KVTransferParams | None:

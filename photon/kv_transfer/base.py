@@ -15,6 +15,8 @@ Worker side:
   register_kv_caches, start_load_kv, wait_for_layer_load, save_kv_layer, wait_for_save,
   get_finished -> (finished_sending, finished_recving) request keys, and
   get_block_ids_with_load_errors.
+Between them, at start: the worker side's get_handshake_metadata goes to the scheduler side's
+set_xfer_handshake_metadata (vLLM's names).
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ class KVConnectorBase:
     def build_connector_meta(self) -> KVConnectorMetadata:
         return KVConnectorMetadata()
 
+    def set_xfer_handshake_metadata(self, metadata: dict[str, Any] | None) -> None:
+        """What the worker side's get_handshake_metadata returned (e.g. the address its
+        transfers listen on), given once at start."""
+
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return False, None
@@ -66,6 +72,10 @@ class KVConnectorBase:
     # ---- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         pass
+
+    def get_handshake_metadata(self) -> dict[str, Any] | None:
+        """What peers need to reach this instance's transfers (after register_kv_caches)."""
+        return None
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         self._metadata = metadata

@@ -3,7 +3,7 @@
 Keys (vLLM's names): kv_connector (a registered connector, e.g. "SharedMemoryConnector"),
 kv_role ("kv_producer": a prefill instance, "kv_consumer": a decode instance, "kv_both"),
 kv_connector_extra_config (the connector's own options; photon reads timeout_s, on_failure,
-rendezvous and the test-only inject_fault). Every mistake is a ConfigError naming the key and
+rendezvous, kv_ip / kv_port (the NcclConnector's rendezvous) and the test-only inject_fault). Every mistake is a ConfigError naming the key and
 what is allowed.
 """
 
@@ -26,7 +26,7 @@ INJECT_FAULTS = ("none", "drop", "delay")
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RENDEZVOUS = "photon"
 _KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
-_EXTRA_KEYS = ("timeout_s", "on_failure", "rendezvous", "inject_fault")
+_EXTRA_KEYS = ("timeout_s", "on_failure", "rendezvous", "kv_ip", "kv_port", "inject_fault")
 _NAME = re.compile(r"[A-Za-z0-9_.]{1,64}")
 _EXAMPLE = '{"kv_connector": "SharedMemoryConnector", "kv_role": "kv_producer"}'
 
@@ -51,6 +51,10 @@ class KVConnectorExtraConfig:
     on_failure: str = "recompute"  # recompute the prefill locally, or fail the request
     # The name both instances meet under on this machine; tests give each pair its own.
     rendezvous: str = DEFAULT_RENDEZVOUS
+    # NcclConnector: the address a prefill instance's rendezvous store listens on (port 0: a
+    # free port, chosen at start); decode instances learn it from kv_transfer_params.
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 0
     inject_fault: str = "none"  # test only: see INJECT_FAULTS
 
     def __post_init__(self) -> None:
@@ -64,6 +68,13 @@ class KVConnectorExtraConfig:
         if not isinstance(self.rendezvous, str) or not _NAME.fullmatch(self.rendezvous):
             raise _error("kv_connector_extra_config.rendezvous",
                          f"must be 1 to 64 letters, digits, '_' or '.'; got {self.rendezvous!r}")
+        if not isinstance(self.kv_ip, str) or not 0 < len(self.kv_ip) <= 256:
+            raise _error("kv_connector_extra_config.kv_ip",
+                         f"must be a host name or IP address, got {self.kv_ip!r}")
+        p = self.kv_port
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= 65535:
+            raise _error("kv_connector_extra_config.kv_port",
+                         f"must be a port number from 0 (a free port) to 65535, got {p!r}")
 
     @classmethod
     def from_dict(cls, values: object) -> KVConnectorExtraConfig:

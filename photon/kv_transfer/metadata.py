@@ -17,6 +17,8 @@ class LoadSpec:
     remote_request_id: str
     first_block: int
     block_ids: list[int]
+    remote_host: str | None = None  # the prefill instance's address (NcclConnector)
+    remote_port: int | None = None
 
 
 @dataclass(slots=True)

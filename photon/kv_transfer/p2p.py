@@ -15,6 +15,10 @@ Every wait is bounded by `timeout_s`: a peer that died or stopped answering rais
 KVTransferTimeout (or KVTransferError when the backend reports the broken connection) instead
 of hanging. After a failed transfer the group's state is unknown: discard it.
 
+The group is torch.distributed's default one, a group of it, or a `PairGroup`: a two-rank group
+of its own built over a store (`pair_group`), so that an instance can pair with several peers
+without a process-wide default group.
+
     sender = KVSender(kv_caches, peer=1, timeout_s=30)
     sent_bytes = sender.send("req-1", [5, 1, 6])              # or begin / send_layer / end
     receiver = KVReceiver(kv_caches, peer=0, timeout_s=30)
@@ -55,6 +59,36 @@ class KVTransferTimeout(KVTransferError):
 
 
 @dataclass(frozen=True)
+class PairGroup:
+    """A two-rank process group outside torch.distributed's world (its ranks are 0 and 1)."""
+
+    pg: Any
+    backend: str  # "gloo" or "nccl"
+
+    def close(self) -> None:
+        """Drop the connection (after a failed transfer its state is unknown)."""
+        try:
+            if self.backend == "nccl":
+                self.pg.abort()
+            else:
+                self.pg.shutdown()
+        except RuntimeError:
+            pass  # already broken
+
+
+def pair_group(store: dist.Store, rank: int, device: torch.device, timeout_s: float
+               ) -> PairGroup:
+    """Join the two-rank group that meets under `store` as `rank` (NCCL for CUDA caches, gloo
+    otherwise); waits at most timeout_s for the other rank."""
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return PairGroup(dist.ProcessGroupNCCL(store, rank, 2, opts), "nccl")
+    return PairGroup(dist.ProcessGroupGloo(store, rank, 2, timeout), "gloo")
+
+
+@dataclass(frozen=True)
 class TransferHeader:
     request_id: str
     num_layers: int
@@ -67,7 +101,7 @@ class _End:
     """What both ends share: the caches, the peer, the bounded waits, the layer cursor."""
 
     def __init__(self, kv_caches: Sequence[torch.Tensor], peer: int,
-                 group: dist.ProcessGroup | None, timeout_s: float) -> None:
+                 group: dist.ProcessGroup | PairGroup | None, timeout_s: float) -> None:
         self.kv_caches = _check_caches(kv_caches)
         self.device = self.kv_caches[0].device
         self.peer = peer
@@ -106,10 +140,16 @@ class _End:
         self.blocks = None
 
     def _send_tensor(self, tensor: torch.Tensor, what: str) -> None:
-        self.wait(dist.isend(tensor, self.peer, group=self.group), what)
+        g = self.group
+        work = g.pg.send([tensor], self.peer, 0) if isinstance(g, PairGroup) \
+            else dist.isend(tensor, self.peer, group=g)
+        self.wait(work, what)
 
     def _recv_tensor(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
-        self.wait(dist.irecv(tensor, self.peer, group=self.group), what)
+        g = self.group
+        work = g.pg.recv([tensor], self.peer, 0) if isinstance(g, PairGroup) \
+            else dist.irecv(tensor, self.peer, group=g)
+        self.wait(work, what)
         return tensor
 
     def status(self, code: int, what: str) -> None:
@@ -123,7 +163,9 @@ class _End:
         """Wait for `work` at most timeout_s: gloo's wait takes the deadline; NCCL's wait()
         only orders streams, so its completion is polled from the host."""
         try:
-            if dist.get_backend(self.group) == "nccl":
+            g = self.group
+            backend = g.backend if isinstance(g, PairGroup) else dist.get_backend(g)
+            if backend == "nccl":
                 self._poll(work, what)
             else:
                 work.wait(timedelta(seconds=self.timeout_s))
@@ -150,7 +192,8 @@ class KVSender(_End):
     """The producer's end: sends its blocks' K/V to rank `peer`."""
 
     def __init__(self, kv_caches: Sequence[torch.Tensor], peer: int,
-                 group: dist.ProcessGroup | None = None, timeout_s: float = 30.0) -> None:
+                 group: dist.ProcessGroup | PairGroup | None = None,
+                 timeout_s: float = 30.0) -> None:
         super().__init__(kv_caches, peer, group, timeout_s)
 
     def begin(self, request_id: str, block_ids: Sequence[int]) -> None:
@@ -194,7 +237,8 @@ class KVReceiver(_End):
     """The consumer's end: stores rank `peer`'s blocks' K/V into its own blocks."""
 
     def __init__(self, kv_caches: Sequence[torch.Tensor], peer: int,
-                 group: dist.ProcessGroup | None = None, timeout_s: float = 30.0) -> None:
+                 group: dist.ProcessGroup | PairGroup | None = None,
+                 timeout_s: float = 30.0) -> None:
         super().__init__(kv_caches, peer, group, timeout_s)
 
     def begin(self, block_ids: Sequence[int], request_id: str | None = None) -> TransferHeader:

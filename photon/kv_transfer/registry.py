@@ -7,4 +7,5 @@ from photon.registry import Registry
 
 KV_CONNECTORS: Registry[type] = Registry("KV connector", lazy={
     "SharedMemoryConnector": "photon.kv_transfer.shared_memory:SharedMemoryConnector",
+    "NcclConnector": "photon.kv_transfer.nccl:NcclConnector",
 })
