@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from photon.config import EngineArgs
+from photon.engine_args import EngineArgs
 from photon.llm import LLM
 from photon.lora.request import LoRARequest
 from photon.outputs import CompletionOutput, Logprob, RequestOutput

@@ -13,7 +13,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from photon.config import ConfigError, EngineArgs, ModelConfig
+from photon.config import ConfigError, ModelConfig
+from photon.engine_args import EngineArgs
 
 
 class HelpFormatter(argparse.HelpFormatter):

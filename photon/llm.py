@@ -11,8 +11,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from photon.config import ConfigError, EngineArgs, EngineConfig
+from photon.config import ConfigError, EngineConfig
 from photon.engine.engine_core import EngineCore
+from photon.engine_args import EngineArgs
 from photon.lora.request import LoRARequest
 from photon.outputs import RequestOutput
 from photon.sampling_params import SamplingParams

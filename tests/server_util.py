@@ -14,10 +14,11 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from photon.config import EngineArgs, EngineConfig
+from photon.config import EngineConfig
 from photon.engine.async_engine import AsyncEngine
 from photon.engine.async_llm import AsyncLLM
 from photon.engine.engine_core import EngineCore
+from photon.engine_args import EngineArgs
 from photon.server.admission import Admission
 from photon.server.app import build_app
 from photon.server.openai_serving import ServerConfig

@@ -13,13 +13,8 @@ import pytest
 import torch
 
 import photon.kernels
-from photon.config import (
-    ConfigError,
-    EngineArgs,
-    SchedulerConfig,
-    StructuredOutputsConfig,
-    resolve_use_triton,
-)
+from photon.config import ConfigError, SchedulerConfig, StructuredOutputsConfig
+from photon.engine_args import EngineArgs, resolve_use_triton
 from photon.registry import Registry
 
 # ---------------------------------------------------------------------------- one place each

@@ -19,11 +19,12 @@ import pytest
 
 from photon import LLM
 from photon.cli import build_parser, main
-from photon.config import ConfigError, EngineArgs
+from photon.config import ConfigError
 from photon.engine.async_engine import AsyncEngine, EngineDeadError, EngineUnavailableError
 from photon.engine.async_llm import AsyncLLM
 from photon.engine.core_group import CoreGroup, visible_devices_for
 from photon.engine.messages import Abort
+from photon.engine_args import EngineArgs
 from photon.sampling_params import SamplingParams
 from tests.engine_pair import Case, differences, engine_pair, run_cases, wait_drained
 from tests.serve_process import cmdline, serve_process, wait_all_gone

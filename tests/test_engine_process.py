@@ -16,9 +16,9 @@ from contextlib import AbstractContextManager
 
 import pytest
 
-from photon.config import EngineArgs
 from photon.engine.async_engine import AsyncEngine, RequestSink
 from photon.engine.async_llm import AsyncLLM
+from photon.engine_args import EngineArgs
 from photon.sampling_params import SamplingParams
 from photon.structured.params import StructuredOutputsParams as SO
 from tests.engine_pair import (

@@ -19,13 +19,13 @@ import httpx
 import pytest
 
 from photon import SamplingParams
-from photon.config import EngineArgs
 from photon.engine.async_engine import EngineUnavailableError
 from photon.engine.async_llm import AsyncLLM
 from photon.engine.core_client import CoreClient, CoreGoneError, CoreStartError
 from photon.engine.core_proc import FAULT_STEP_ENV, client_addresses
 from photon.engine.engine_core import EngineCore
 from photon.engine.messages import Abort
+from photon.engine_args import EngineArgs
 from photon.server.app import build_app
 from photon.server.openai_serving import ServerConfig
 from tests.server_util import TINY_ARGS, serve_app
@@ -145,7 +145,7 @@ def test_shutdown_leaves_no_process() -> None:
 
 _FRONT_END = textwrap.dedent("""
     import sys
-    from photon.config import EngineArgs
+    from photon.engine_args import EngineArgs
     from photon.engine.async_llm import AsyncLLM
     engine = AsyncLLM(EngineArgs(model="photon-tiny-random", max_model_len=256, max_num_seqs=4,
                                  seed=0).create_config())

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from photon.config import ConfigError, EngineArgs
+from photon.config import ConfigError
 from photon.distributed.group import TPGroup
+from photon.engine_args import EngineArgs
 from photon.model.layers.moe import ExpertRange, FusedMoE
 from photon.model.loader import load_model
 from tests.hf_models import MIXTRAL, QWEN3_MOE, make_engine_model, read_checkpoint

@@ -15,7 +15,8 @@ import pytest
 
 from photon import LLM, SamplingParams
 from photon.cli import main
-from photon.config import ConfigError, EngineArgs
+from photon.config import ConfigError
+from photon.engine_args import EngineArgs
 from photon.model.tiny import ensure_photon_tiny_random
 from photon.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.server_util import LiveServer, in_process_only, live_server

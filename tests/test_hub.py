@@ -18,7 +18,8 @@ import pytest
 
 from photon import LLM, SamplingParams
 from photon.cli import main
-from photon.config import ConfigError, EngineArgs
+from photon.config import ConfigError
+from photon.engine_args import EngineArgs
 from photon.model import hub
 from photon.server.launch import with_model_tag
 from tests.hf_models import make_engine_model

@@ -21,7 +21,8 @@ from photon.attention.kv_quant import (
 )
 from photon.attention.torch_ref import TorchReferenceBackend
 from photon.attention.triton_paged import TritonPagedBackend
-from photon.config import ConfigError, EngineArgs
+from photon.config import ConfigError
+from photon.engine_args import EngineArgs
 from photon.model.layers.attention import Attention
 from photon.model.tiny import PHOTON_TINY, builtin_model_path
 from photon.quant.numerics import FP8_DTYPE, FP8_MAX, to_fp8

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from photon.cli import build_parser
-from photon.config import EngineArgs
+from photon.engine_args import EngineArgs
 from photon.model.tiny import ensure_photon_tiny_random
 from photon.server.app import build_app
 from photon.server.launch import server_config

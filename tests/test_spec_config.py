@@ -8,7 +8,8 @@ import re
 import pytest
 
 from photon.cli import add_engine_args, engine_args_from
-from photon.config import ConfigError, EngineArgs
+from photon.config import ConfigError
+from photon.engine_args import EngineArgs
 from photon.spec import check_supported
 from photon.spec.config import SpeculativeConfig, parse_speculative_config
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from photon import LLM, SamplingParams
-from photon.config import ConfigError, EngineArgs
+from photon.config import ConfigError
+from photon.engine_args import EngineArgs
 from tests.hf_models import make_engine_model
 from tests.test_pipeline import _shared_prefix_specs, run
 from tests.test_spec_engine import _mixed_specs

@@ -15,7 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from photon import LLM, SamplingParams
-from photon.config import ConfigError, EngineArgs
+from photon.config import ConfigError
+from photon.engine_args import EngineArgs
 from photon.structured.backend import GrammarError
 from photon.structured.compile_pool import HEAVY_CHARS, CompilePool, PoolCounts
 from photon.structured.manager import StructuredOutputManager

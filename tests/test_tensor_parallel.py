@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from photon.config import ConfigError, EngineArgs
+from photon.config import ConfigError
 from photon.distributed.workers import TensorParallelError
+from photon.engine_args import EngineArgs
 from photon.sampling_params import SamplingParams
 from photon.structured.params import StructuredOutputsParams
 from tests.hf_models import make_engine_model

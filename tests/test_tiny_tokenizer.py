@@ -68,7 +68,7 @@ def test_reuse_and_resolve(tiny_dir: str, tmp_path: Path) -> None:
 def test_builtin_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """photon-tiny (the default) and photon-tiny-draft are the trained package directories, with
     no random-weights marker; photon-tiny-random is generated; served under their own names."""
-    from photon.config import EngineArgs
+    from photon.engine_args import EngineArgs
 
     monkeypatch.setenv("PHOTON_CACHE_DIR", str(tmp_path / "cache"))
     package = Path(__file__).resolve().parents[1] / "photon" / "assets"

@@ -6,8 +6,9 @@ import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from photon.config import EngineArgs, EngineConfig
+from photon.config import EngineConfig
 from photon.engine.engine_core import EngineCore
+from photon.engine_args import EngineArgs
 from photon.sampling_params import SamplingParams
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 200, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42] * 20]

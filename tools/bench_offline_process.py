@@ -16,9 +16,9 @@ import time
 
 from photon import LLM, SamplingParams
 from photon.bench.shapes import materialize_shape
-from photon.config import EngineArgs
 from photon.engine.async_engine import RequestSink
 from photon.engine.async_llm import AsyncLLM
+from photon.engine_args import EngineArgs
 
 
 def _engine_kwargs(ns: argparse.Namespace, workdir: str) -> dict:
