@@ -4,12 +4,11 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from photon import __version__
@@ -17,6 +16,7 @@ from photon.engine.async_engine import AsyncEngine, stopped_message
 from photon.server.chat import ChatHandler
 from photon.server.completions import CompletionHandler
 from photon.server.errors import bad_request, error_response, install_handlers
+from photon.server.lora import model_cards
 from photon.server.metrics import RequestMetricsOnly, ServerMetrics
 from photon.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from photon.server.openai_serving import ServerConfig, Serving
@@ -29,9 +29,11 @@ from photon.server.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     HealthResponse,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
 )
 
@@ -87,11 +89,19 @@ def _add_openai_routes(app: FastAPI, serving: Serving) -> None:
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def list_models() -> dict[str, Any]:
         cfg = serving.config
-        return {"object": "list", "data": [{
-            "id": cfg.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "photon", "root": cfg.served_model_name,
-            "max_model_len": cfg.max_model_len,
-            "vocab_size": serving.core.config.model.vocab_size}]}
+        base = {"id": cfg.served_model_name, "root": cfg.served_model_name,
+                "max_model_len": cfg.max_model_len,
+                "vocab_size": serving.core.config.model.vocab_size}
+        return {"object": "list",
+                "data": model_cards(base, await serving.adapters.adapters())}
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> str:
+        return await serving.adapters.load(req.lora_name, req.lora_path)
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> str:
+        return await serving.adapters.unload(req.lora_name)
 
 
 def _add_utility_routes(app: FastAPI, serving: Serving, metrics: ServerMetrics) -> None:
@@ -118,7 +128,7 @@ def _add_utility_routes(app: FastAPI, serving: Serving, metrics: ServerMetrics) 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(req: TokenizeRequest) -> Any:
         # No length check: the count is what a client asks /tokenize for.
-        serving.check_model(req.model)
+        await serving.resolve_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
@@ -131,7 +141,7 @@ def _add_utility_routes(app: FastAPI, serving: Serving, metrics: ServerMetrics) 
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(req: DetokenizeRequest) -> Any:
-        serving.check_model(req.model)
+        await serving.resolve_model(req.model)
         ids = serving.token_ids(req.tokens, "tokens")
         return {"prompt": await serving.text.decode(ids)}
 
