@@ -6,6 +6,7 @@ error and the server goes on, the LoRA metrics, and several API servers see one 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from photon import LLM, LoRARequest, SamplingParams
+from photon.server.errors import APIError
 from photon.server.lora import AdapterNames
 from tests.hf_models import make_engine_model
 from tests.lora_util import make_adapter
@@ -108,7 +110,23 @@ def test_completions_and_chat_by_adapter_name(server: LiveServer, reference: dic
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "a0"
     assert r.json()["choices"][0]["message"]["content"] == reference["a0"][len(PROMPTS)]
+    r = _post(server, "/tokenize", {"model": "a0", "prompt": "hi"})
+    assert r.status_code == 200 and r.json()["count"] >= 1
+    assert _post(server, "/tokenize", {"model": "nope", "prompt": "hi"}).status_code == 404
     wait_drained(server.engine)
+
+
+def test_without_enable_lora_adapters_are_refused() -> None:
+    """No engine needed: without --enable-lora a load is a 400 naming the flag, and any model
+    name but the base model's a 404."""
+    names = AdapterNames(None, "base", enabled=False)  # type: ignore[arg-type]
+    assert asyncio.run(names.resolve("base")) is None
+    with pytest.raises(APIError) as e:
+        asyncio.run(names.resolve("a0"))
+    assert e.value.status == 404 and e.value.code == "model_not_found"
+    with pytest.raises(APIError) as e:
+        asyncio.run(names.load("a0", "/adapters/a0"))
+    assert e.value.status == 400 and "--enable-lora" in e.value.message
 
 
 def test_models_lists_adapters_with_parent(server: LiveServer, setup: dict) -> None:
@@ -176,6 +194,18 @@ def test_load_and_unload_under_load(server: LiveServer, setup: dict, reference: 
     new requests for a1 get 404 at once, the queued one finishes with a1's output, and a1's
     slot and host copy are freed after it (the drain check)."""
     engine = server.engine
+    # Loads and unloads while requests run: they keep their outputs.
+    outs: list[str] = []
+    busy = [threading.Thread(target=_stream, args=(server, model, PROMPTS[0], outs))
+            for model in ("a0", "a0", "a0", "a0")]
+    for t in busy:
+        t.start()
+    for _ in range(2):
+        assert _load(server, "a1", setup["paths"]["a1"]).status_code == 200
+        assert _unload(server, "a1").status_code == 200
+    for t in busy:
+        t.join(60)
+    assert outs == [reference["a0"][0]] * 4
     results: dict[str, list[str]] = {"a0": [], "a1": []}
     with engine_paused(engine) as gate:
         busy = [threading.Thread(target=_stream, args=(server, "a0", PROMPTS[0], results["a0"]))
@@ -231,8 +261,6 @@ def test_every_front_end_sees_one_registry(server: LiveServer, setup: dict,
     """A second front end of the same core (as another API server is) sees what the server
     loaded and unloaded, and the server sees what the other one did."""
     other = AdapterNames(server.engine, "base", enabled=True)
-    import asyncio
-
     assert _load(server, "a1", setup["paths"]["a1"]).status_code == 200
     lora = asyncio.run(other.resolve("a1"))
     assert lora is not None and lora.lora_path == setup["paths"]["a1"]

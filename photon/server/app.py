@@ -39,6 +39,11 @@ from photon.server.protocol import (
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
+# A route whose 200 is text (the LoRA adapter endpoints, as vLLM's) still answers errors in JSON.
+_JSON_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}} for code in _ERRORS}
+_TEXT = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
 # With "stream": true the 200 body is Server-Sent Events: each event's `data` is one JSON chunk
 # (or the final "[DONE]").
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
@@ -95,11 +100,13 @@ def _add_openai_routes(app: FastAPI, serving: Serving) -> None:
         return {"object": "list",
                 "data": model_cards(base, await serving.adapters.adapters())}
 
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+              responses={**_JSON_ERRORS, **_TEXT})
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> str:
         return await serving.adapters.load(req.lora_name, req.lora_path)
 
-    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+              responses={**_JSON_ERRORS, **_TEXT})
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> str:
         return await serving.adapters.unload(req.lora_name)
 
