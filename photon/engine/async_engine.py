@@ -27,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 
 from photon.engine.engine_core import EngineCore, EngineStats
 from photon.engine.request_sink import RequestSink
+from photon.lora.request import LoRARequest
 from photon.outputs import RequestOutput
 from photon.sampling_params import SamplingParams
 
@@ -73,6 +74,7 @@ class _Add:
     entry: TrackedRequest
     done: Callable[[BaseException | None], None]
     kv_transfer_params: dict[str, Any] | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -87,6 +89,13 @@ class _Counters:
 
     num_waiting: int = 0
     num_running: int = 0
+    # The engine's LoRA registry version (LoRAStats.adapters_version): a server's copy of the
+    # adapter names older than it is refreshed.
+    lora_version: int = 0
+
+    def update_lora(self, stats: EngineStats) -> None:
+        if stats.lora is not None:
+            self.lora_version = stats.lora.adapters_version
 
 
 class _NullObserver:
@@ -137,7 +146,8 @@ class AsyncEngine:
     async def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                           sink: RequestSink, tag: Any = None,
                           arrival_time: float | None = None,
-                          kv_transfer_params: dict[str, Any] | None = None) -> None:
+                          kv_transfer_params: dict[str, Any] | None = None,
+                          lora_request: LoRARequest | None = None) -> None:
         """Queue a request whose outputs go to `sink`; raises the engine's ValueError."""
         self._check_alive()
         entry = TrackedRequest(request_id, sink, tag, arrival_time or time.monotonic(),
@@ -151,7 +161,8 @@ class AsyncEngine:
                 pass  # the caller's loop is closed
 
         try:
-            self._inbox.put(_Add(prompt_ids, params, entry, done, kv_transfer_params))
+            self._inbox.put(_Add(prompt_ids, params, entry, done, kv_transfer_params,
+                                 lora_request))
             await fut
         except asyncio.CancelledError:
             self.abort(request_id)  # the add may still land: abort it right behind
@@ -169,27 +180,29 @@ class AsyncEngine:
         self._inbox.put(_Call(fn, result))
         return result.result(timeout)
 
-    def call_utility(self, method: str, timeout: float = 30.0) -> int | str | None:
+    def call_utility(self, method: str, timeout: float = 30.0, args: tuple[str, ...] = ()
+                     ) -> Any:
         """AsyncLLM.call_utility's methods, run on the engine thread between two steps."""
         from photon.engine.core_proc import UTILITIES
 
-        def run() -> int | str | None:
+        def run() -> Any:
             if method in ("pause", "resume"):
                 self._paused = method == "pause"
                 return None
             if method not in UTILITIES:
                 raise RuntimeError(f"unknown utility {method!r}")
-            return UTILITIES[method](self.engine)
+            return UTILITIES[method](self.engine, *args)
 
         return self.call(run, timeout)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 kv_transfer_params: dict[str, Any] | None = None
-                 ) -> AsyncIterator[RequestOutput]:
+                 kv_transfer_params: dict[str, Any] | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """One request's delta outputs; leaving the loop early aborts the request.
         kv_transfer_params: disaggregation (RequestOutput.kv_transfer_params on a prefill
-        instance's final output)."""
-        return stream_request(self, prompt_ids, params, request_id, kv_transfer_params)
+        instance's final output); lora_request: its LoRA adapter (None: the base model)."""
+        return stream_request(self, prompt_ids, params, request_id, kv_transfer_params,
+                              lora_request)
 
     def _check_alive(self) -> None:
         if not self.healthy:
@@ -251,7 +264,8 @@ class AsyncEngine:
         rid = cmd.entry.request_id
         try:
             self.engine.add_request(cmd.prompt_ids, cmd.params, rid, delta=True,
-                                    kv_transfer_params=cmd.kv_transfer_params)
+                                    kv_transfer_params=cmd.kv_transfer_params,
+                                    lora_request=cmd.lora_request)
         except Exception as e:  # noqa: BLE001 - a bad request must not kill the engine thread
             cmd.done(e)
             return
@@ -272,6 +286,7 @@ class AsyncEngine:
         stats = self.engine.stats()
         self.counters.num_waiting = stats.num_waiting
         self.counters.num_running = stats.num_running
+        self.counters.update_lora(stats)
         self.observer.on_step(step_s, gap_s, stats)
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -293,20 +308,23 @@ class AsyncEngine:
 class _Streaming(Protocol):
     async def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                           sink: RequestSink, *,
-                          kv_transfer_params: dict[str, Any] | None = None) -> None: ...
+                          kv_transfer_params: dict[str, Any] | None = None,
+                          lora_request: LoRARequest | None = None) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
 
 
 async def stream_request(engine: _Streaming, prompt_ids: list[int], params: SamplingParams,
-                         request_id: str, kv_transfer_params: dict[str, Any] | None = None
+                         request_id: str, kv_transfer_params: dict[str, Any] | None = None,
+                         lora_request: LoRARequest | None = None
                          ) -> AsyncIterator[RequestOutput]:
     """`generate` of AsyncEngine and AsyncLLM: one request's delta outputs from its own sink;
     an error put in the sink is raised; leaving the loop before the final output aborts the
     request."""
     sink = RequestSink()
+    extra = {} if lora_request is None else {"lora_request": lora_request}
     await engine.add_request(prompt_ids, params, request_id, sink,
-                             kv_transfer_params=kv_transfer_params)
+                             kv_transfer_params=kv_transfer_params, **extra)
     finished = False
     try:
         while not finished:

@@ -54,6 +54,7 @@ from photon.engine.output_processor import OutputProcessor
 from photon.engine.request_checks import RequestChecks
 from photon.engine.request_sink import hand_over
 from photon.kv_transfer.params import parse_kv_transfer_params
+from photon.lora.request import LoRARequest
 from photon.outputs import RequestOutput
 from photon.reasoning import ReasoningParser, get_reasoning_parser
 from photon.sampling_params import SamplingParams
@@ -185,8 +186,10 @@ class AsyncLLM:
     async def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                           sink: RequestSink, tag: Any = None,
                           arrival_time: float | None = None,
-                          kv_transfer_params: dict[str, Any] | None = None) -> None:
-        """Check the request (raises ValueError) and send it to the core."""
+                          kv_transfer_params: dict[str, Any] | None = None,
+                          lora_request: LoRARequest | None = None) -> None:
+        """Check the request (raises ValueError) and send it to the core (which checks its
+        LoRA adapter: a bad one ends the request with an error output)."""
         self._check_alive()
         self.frontend.checks.check(prompt_ids, params)
         parse_kv_transfer_params(kv_transfer_params)  # its key errors, before it is queued
@@ -202,7 +205,8 @@ class AsyncLLM:
             self._processor.add(core_id, request_id, prompt_ids, params, arrival)
             client = self.cores.assign(core_id)  # n > 1: the core runs every child
         _send(client, AddRequest(core_id, prompt_ids, params, arrival,
-                                 kv_transfer_params=kv_transfer_params))
+                                 kv_transfer_params=kv_transfer_params,
+                                 lora_request=lora_request))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; unknown or finished ids are ignored)."""
@@ -213,32 +217,36 @@ class AsyncLLM:
             _send(client, Abort([core_id]), required=False)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 kv_transfer_params: dict[str, Any] | None = None
-                 ) -> AsyncIterator[RequestOutput]:
+                 kv_transfer_params: dict[str, Any] | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """One request's delta outputs; leaving the loop early aborts the request.
         kv_transfer_params: disaggregation (RequestOutput.kv_transfer_params on a prefill
-        instance's final output)."""
-        return stream_request(self, prompt_ids, params, request_id, kv_transfer_params)
+        instance's final output); lora_request: its LoRA adapter (None: the base model)."""
+        return stream_request(self, prompt_ids, params, request_id, kv_transfer_params,
+                              lora_request)
 
-    def call_utility(self, method: str, timeout: float = 30.0) -> int | str | None:
+    def call_utility(self, method: str, timeout: float = 30.0, args: tuple[str, ...] = ()
+                     ) -> Any:
         """Run one of the core's utility methods (photon.engine.core_proc.UTILITIES, or
         "pause" / "resume": no step runs while paused) between two steps; blocks the calling
         thread for its result. A failed check raises AssertionError, other errors RuntimeError.
-        With several cores every core runs it; integer results add up."""
+        With several cores every core runs it; integer results add up, otherwise the first
+        core's result is returned."""
         self._check_alive()
-        futs = [self._call(client, method) for client in self.cores.clients]
+        futs = [self._call(client, method, args) for client in self.cores.clients]
         values = [fut.result(timeout) for fut in futs]
         if len(values) > 1 and all(isinstance(v, int) for v in values):
             return sum(values)
         return values[0]
 
-    def _call(self, client: CoreClient, method: str) -> concurrent.futures.Future[Any]:
+    def _call(self, client: CoreClient, method: str, args: tuple[str, ...]
+              ) -> concurrent.futures.Future[Any]:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             self._check_alive()
             call_id = next(self._call_ids)
             self._calls[call_id] = fut
-        _send(client, Utility(call_id, method))
+        _send(client, Utility(call_id, method, args=list(args)))
         return fut
 
     def _check_alive(self) -> None:
@@ -271,14 +279,17 @@ class AsyncLLM:
         for delta in msg.requests:
             self._dispatch(client, delta, now, ready)
         hand_over(ready)
-        for result in msg.utility:
-            self._answer(result)
         with self._stats_lock:
             self._stats[self.cores.clients.index(client)] = msg.stats
             stats = combine_stats([s for s in self._stats if s is not None])
             self.counters.num_waiting = stats.num_waiting
             self.counters.num_running = stats.num_running
+            self.counters.update_lora(stats)
             self.observer.on_step(msg.step_s, msg.gap_s, stats)
+        # After the stats: a caller woken by its result sees the state the call left (the LoRA
+        # registry's version after a load or unload).
+        for result in msg.utility:
+            self._answer(result)
 
     def _after_exit(self, client: CoreClient) -> None:
         """A core process has exited: take what it sent last (its error, if its loop raised,

@@ -24,6 +24,7 @@ from photon.config import ConfigError, EngineConfig
 from photon.engine.core_client import CoreClient
 from photon.engine.engine_core import EngineStats
 from photon.kv_transfer.metadata import KVTransferStats
+from photon.lora.manager import LoRAStats
 from photon.spec.stats import SpecDecodingStats
 
 
@@ -138,7 +139,19 @@ def combine_stats(stats: list[EngineStats]) -> EngineStats:
         kv_events_dropped=sum(s.kv_events_dropped for s in stats),
         kv_transfer=_combine_kv_transfer([s.kv_transfer for s in stats
                                           if s.kv_transfer is not None]),
+        lora=_combine_lora([s.lora for s in stats if s.lora is not None]),
     )
+
+
+def _combine_lora(parts: list[LoRAStats]) -> LoRAStats | None:
+    """Every core's adapters and slots (max_lora: --max-loras, the slots of each core)."""
+    if not parts:
+        return None
+    return LoRAStats(sorted({n for p in parts for n in p.running_adapters}),
+                     sorted({n for p in parts for n in p.waiting_adapters}),
+                     parts[0].max_lora, sum(p.slots_used for p in parts),
+                     sum(p.slots_loaded for p in parts), sum(p.num_slot_loads for p in parts),
+                     max(p.adapters_version for p in parts))
 
 
 def _combine_kv_transfer(parts: list[KVTransferStats]) -> KVTransferStats | None:

@@ -42,6 +42,7 @@ from photon.engine.messages import (
     Utility,
     UtilityResult,
 )
+from photon.lora.registry import LoRAAdapters
 from photon.outputs import RequestOutput
 
 _IDLE_POLL_MS = 1000
@@ -53,11 +54,15 @@ def _check_drained(core: EngineCore) -> None:
     core.assert_drained()
 
 
-# What a front end may run in the core between steps (tests, drain checks, pausing).
-UTILITIES: dict[str, Callable[[EngineCore], int | str | None]] = {
+# What a front end may run in the core between steps (tests, drain checks, pausing, the LoRA
+# adapters a server serves by name): called as fn(core, *args).
+UTILITIES: dict[str, Callable[..., int | str | LoRAAdapters | None]] = {
     "check_drained": _check_drained,
     "num_running": lambda core: core.stats().num_running,
     "reset_prefix_cache": lambda core: int(core.reset_prefix_cache()),
+    "list_lora_adapters": lambda core: core.lora.registry.snapshot(),
+    "load_lora_adapter": lambda core, name, path: core.lora.load(name, path),
+    "unload_lora_adapter": lambda core, name: core.lora.unload(name),
 }
 
 
@@ -201,7 +206,8 @@ class _CoreLoop:
         if isinstance(msg, AddRequest):
             try:
                 self.core.add_request(msg.prompt_token_ids, msg.params, msg.request_id,
-                                      delta=True, kv_transfer_params=msg.kv_transfer_params)
+                                      delta=True, kv_transfer_params=msg.kv_transfer_params,
+                                      lora_request=msg.lora_request)
                 self.client_of[msg.request_id] = msg.client
             except Exception as e:  # noqa: BLE001 - one request must not stop the core
                 self.rejected[msg.client].append(RequestDelta(msg.request_id, [], True,
@@ -223,7 +229,7 @@ class _CoreLoop:
         if fn is None:
             return UtilityResult(msg.call_id, error=f"unknown utility {msg.method!r}")
         try:
-            return UtilityResult(msg.call_id, fn(self.core))
+            return UtilityResult(msg.call_id, fn(self.core, *msg.args))
         except Exception as e:  # noqa: BLE001 - the caller gets it
             return UtilityResult(msg.call_id, error=f"{type(e).__name__}: {e}")
 

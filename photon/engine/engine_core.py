@@ -41,6 +41,7 @@ from photon.kv_events.publisher import create_publisher
 from photon.kv_transfer.base import KVConnectorRole, create_connector
 from photon.kv_transfer.metadata import KVTransferStats
 from photon.kv_transfer.params import KVTransferParams, parse_kv_transfer_params
+from photon.lora.manager import EngineLoRA, LoRAStats
 from photon.lora.request import LoRARequest
 from photon.lora.slots import LoRASlotPool
 from photon.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
@@ -68,6 +69,7 @@ class EngineStats:
     spec_decoding: SpecDecodingStats | None = None  # cumulative; None without speculation
     kv_events_dropped: int = 0  # KV event batches dropped: the publisher's queue was full
     kv_transfer: KVTransferStats | None = None  # cumulative; None without a KV connector
+    lora: LoRAStats | None = None  # None without --enable-lora
 
 
 @dataclass
@@ -122,7 +124,8 @@ class EngineCore:
                                    draft_lookahead=self.runner.draft_lookahead)
         if config.lora_config is not None:
             self.scheduler.lora = LoRASlotPool(config.lora_config.max_loras)
-        self._loras: dict[int, LoRARequest] = {}  # the adapters requests named, by id
+        self.lora = EngineLoRA(config.lora_config, self.scheduler, self.runner.lora,
+                               config.model.served_model_name)
         for module in config.lora_config.lora_modules if config.lora_config else ():
             self.check_lora(module)  # --lora-modules: a bad adapter stops the start
         if spec is not None and spec.adaptive:  # the adaptive switch: K_eff per step from a cost model
@@ -232,23 +235,8 @@ class EngineCore:
         return request_id
 
     def check_lora(self, lora: LoRARequest | None) -> None:
-        """A request's adapter, checked (ValueError naming what is wrong): LoRA is enabled, its
-        id names one adapter, and its files are a servable PEFT adapter (read into the host
-        cache now, so its first step does not read the disk)."""
-        if lora is None:
-            return
-        if not isinstance(lora, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
-        if self.runner.lora is None:
-            raise ValueError("lora_request: this engine was started without enable_lora "
-                             "(--enable-lora)")
-        known = self._loras.get(lora.lora_int_id)
-        if known is not None and known != lora:
-            raise ValueError(f"lora_request: lora_int_id {lora.lora_int_id} already names "
-                             f"adapter {known.lora_name!r} at {known.lora_path!r}; give each "
-                             f"adapter its own id")
-        self.runner.lora.host.get(lora)
-        self._loras[lora.lora_int_id] = lora
+        """A request's adapter, checked (ValueError naming what is wrong; EngineLoRA.check)."""
+        self.lora.check(lora)
 
     def _grammar_gate(self, prompt_ids: list[int], params: SamplingParams) -> int | None:
         """With a reasoning parser, a grammar starts once the reasoning ended (as vLLM): after
@@ -341,6 +329,7 @@ class EngineCore:
                 or sched.has_releases:
             touched += self.pipeline.step()
             self._publish_kv_events()
+        self.lora.free_unloaded()  # unloaded adapters whose last request was just released
         parent_ids = dict.fromkeys([*self._aborted, *(r.parent_id for r in touched)])
         self._aborted.clear()
         outputs = []
@@ -436,7 +425,8 @@ class EngineCore:
                            kv.usage,
                            kv.num_cached_free_blocks, kv.prefix_queries, kv.prefix_hits,
                            sched.num_preemptions, self.spec_stats(), self.kv_events.dropped,
-                           self.runner.kv_connector.stats() if self.runner.kv_connector else None)
+                           self.runner.kv_connector.stats() if self.runner.kv_connector else None,
+                           self.lora.stats())
 
     def spec_stats(self) -> SpecDecodingStats | None:
         """Speculative decoding's counters over the committed steps (a snapshot)."""
@@ -462,6 +452,7 @@ class EngineCore:
         lora = sched.lora
         if lora is not None:
             assert lora.num_used == 0, f"{lora.num_used} LoRA slots still referenced"
+            assert not self.lora.freeing, "unloaded LoRA adapters not yet freed"
             lora.check_invariants()
         if self.structured is not None and self.structured.started:
             assert self.structured.executor.open_matchers == 0, "grammar matchers leaked"

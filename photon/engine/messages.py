@@ -13,6 +13,8 @@ from typing import Any
 import msgspec
 
 from photon.engine.engine_core import EngineStats
+from photon.lora.registry import LoRAAdapters
+from photon.lora.request import LoRARequest
 from photon.outputs import Logprob
 from photon.sampling_params import SamplingParams
 
@@ -24,6 +26,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     arrival_time: float  # time.monotonic() of the front end (one clock per machine)
     client: int = 0  # which front end sent it: its outputs go back there
     kv_transfer_params: dict[str, Any] | None = None  # disaggregation (photon.kv_transfer)
+    lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -41,6 +44,7 @@ class Utility(msgspec.Struct, tag="utility", array_like=True):
     call_id: int
     method: str
     client: int = 0
+    args: list[str] = []  # the method's arguments after the core
 
 
 CoreInput = AddRequest | Abort | Shutdown | Utility
@@ -48,7 +52,7 @@ CoreInput = AddRequest | Abort | Shutdown | Utility
 
 class UtilityResult(msgspec.Struct, array_like=True):
     call_id: int
-    value: int | str | None = None
+    value: int | str | LoRAAdapters | None = None
     error: str | None = None  # the method raised (an AssertionError's message, for checks)
 
 

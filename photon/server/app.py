@@ -5,12 +5,11 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from photon import __version__
@@ -18,6 +17,7 @@ from photon.engine.async_engine import AsyncEngine, stopped_message
 from photon.server.chat import ChatHandler
 from photon.server.completions import CompletionHandler
 from photon.server.errors import bad_request, error_response, install_handlers
+from photon.server.lora import model_cards
 from photon.server.metrics import RequestMetricsOnly, ServerMetrics
 from photon.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from photon.server.openai_serving import ServerConfig, Serving
@@ -30,14 +30,21 @@ from photon.server.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     HealthResponse,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
 )
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
+# A route whose 200 is text (the LoRA adapter endpoints, as vLLM's) still answers errors in JSON.
+_JSON_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}} for code in _ERRORS}
+_TEXT = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
 # With "stream": true the 200 body is Server-Sent Events: each event's `data` is one JSON chunk
 # (or the final "[DONE]").
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
@@ -88,11 +95,21 @@ def _add_openai_routes(app: FastAPI, serving: Serving) -> None:
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def list_models() -> dict[str, Any]:
         cfg = serving.config
-        return {"object": "list", "data": [{
-            "id": cfg.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "photon", "root": cfg.served_model_name,
-            "max_model_len": cfg.max_model_len,
-            "vocab_size": serving.core.config.model.vocab_size}]}
+        base = {"id": cfg.served_model_name, "root": cfg.served_model_name,
+                "max_model_len": cfg.max_model_len,
+                "vocab_size": serving.core.config.model.vocab_size}
+        return {"object": "list",
+                "data": model_cards(base, await serving.adapters.adapters())}
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+              responses={**_JSON_ERRORS, **_TEXT})
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> str:
+        return await serving.adapters.load(req.lora_name, req.lora_path)
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+              responses={**_JSON_ERRORS, **_TEXT})
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> str:
+        return await serving.adapters.unload(req.lora_name)
 
 
 def _add_utility_routes(app: FastAPI, serving: Serving, metrics: ServerMetrics) -> None:
@@ -129,7 +146,7 @@ def _add_utility_routes(app: FastAPI, serving: Serving, metrics: ServerMetrics) 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(req: TokenizeRequest) -> Any:
         # No length check: the count is what a client asks /tokenize for.
-        serving.check_model(req.model)
+        await serving.resolve_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
@@ -142,7 +159,7 @@ def _add_utility_routes(app: FastAPI, serving: Serving, metrics: ServerMetrics) 
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(req: DetokenizeRequest) -> Any:
-        serving.check_model(req.model)
+        await serving.resolve_model(req.model)
         ids = serving.token_ids(req.tokens, "tokens")
         return {"prompt": await serving.text.decode(ids)}
 

@@ -41,7 +41,7 @@ class ChatHandler:
 
     async def __call__(self, req: ChatCompletionRequest, raw: Request) -> Response:
         s = self.serving
-        s.check_model(req.model)
+        lora = await s.resolve_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -59,7 +59,7 @@ class ChatHandler:
         text = await s.chat_prompt(req, tools.template_tools)
         ids = await s.encode(text, "messages", add_special_tokens=False)
         s.check_prompt(ids, params, "messages")
-        run = await s.start([ids], params, "chatcmpl", req.kv_transfer_params)
+        run = await s.start([ids], params, "chatcmpl", req.kv_transfer_params, lora)
         ctx = _ChatCtx(req, run, s, len(ids), tools)
         return await s.respond(raw, run, req.stream, ctx.events, ctx.collect)
 
@@ -73,7 +73,7 @@ class _ChatCtx:
         self.id = run.id
         self.serving = serving
         self.created = int(time.time())
-        self.model = serving.config.served_model_name
+        self.model = run.model
         self.num_prompt_tokens = num_prompt_tokens
         self.reasoning = serving.core.reasoning  # --reasoning-parser, or None
         self.splitters: dict[int, ReasoningSplitter] = {}  # streaming: per choice

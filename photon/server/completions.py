@@ -39,7 +39,7 @@ class CompletionHandler:
 
     async def __call__(self, req: CompletionRequest, raw: Request) -> Response:
         s = self.serving
-        s.check_model(req.model)
+        lora = await s.resolve_model(req.model)
         if req.suffix:
             raise bad_request("`suffix` is not supported by photon", "suffix")
         echo_only = req.echo and req.max_tokens == 0
@@ -53,7 +53,7 @@ class CompletionHandler:
             s.check_prompt(ids, params, "prompt")
         echo = [_Echo(p if isinstance(p, str) else s.core.tokenizer.decode(ids), ids)
                 for p, ids in zip(sources, prompts)] if req.echo else None
-        run = await s.start(prompts, params, "cmpl", req.kv_transfer_params)
+        run = await s.start(prompts, params, "cmpl", req.kv_transfer_params, lora)
         ctx = _Ctx(req, run, s, prompts, echo, echo_only)
         return await s.respond(raw, run, req.stream, ctx.events, ctx.collect)
 
@@ -93,7 +93,7 @@ class _Ctx:
         self.id = run.id
         self.serving = serving
         self.created = int(time.time())
-        self.model = serving.config.served_model_name
+        self.model = run.model
         self.num_prompt_tokens = sum(len(p) for p in prompts)
         self.n = req.n
         self.echo = echo

@@ -13,6 +13,7 @@ Everything is observed on the engine thread (`EngineObserver`), never scraped fr
   `spec_decode_num_accepted_tokens_per_pos{position}` (0 = the first draft); the mean acceptance
   length is 1 + accepted_tokens / drafts;
 - prefill/decode disaggregation (with `--kv-transfer-config`): photon.server.metrics_kv;
+- LoRA adapters (with `--enable-lora`): photon.server.metrics_lora;
 - histograms `time_to_first_token_seconds`, `inter_token_latency_seconds`,
   `e2e_request_latency_seconds` (from the HTTP arrival), `request_queue_time_seconds` (engine
   arrival to first scheduling), and `step_time_seconds` (one `EngineCore.step()` call);
@@ -41,6 +42,7 @@ from photon.engine.async_engine import TrackedRequest
 from photon.engine.engine_core import EngineStats
 from photon.outputs import RequestOutput
 from photon.server.metrics_kv import KVTransferMetrics
+from photon.server.metrics_lora import LoRAMetrics
 from photon.spec.stats import SpecDecodingStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -61,6 +63,7 @@ class ServerMetrics:
         self._make_counters(model_name)
         self._make_histograms(model_name)
         self.kv_transfer = KVTransferMetrics(self.registry, model_name)
+        self.lora = LoRAMetrics(self.registry, model_name)
 
     def _gauge(self, name: str, doc: str, model: str) -> Gauge:
         # With several API servers only the first sets the engine's gauges (the others keep 0).
@@ -144,6 +147,7 @@ class ServerMetrics:
             self.kv_events_dropped.inc(stats.kv_events_dropped)
         self._count_spec(stats.spec_decoding, last.spec_decoding if last is not None else None)
         self.kv_transfer.count(stats.kv_transfer, last.kv_transfer if last is not None else None)
+        self.lora.update(stats.lora, last.lora if last is not None else None)
         self._last = stats
 
     def _count_spec(self, now: SpecDecodingStats | None, last: SpecDecodingStats | None) -> None:

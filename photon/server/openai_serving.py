@@ -19,11 +19,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from photon.engine.async_engine import AsyncEngine, RequestSink
+from photon.lora.request import LoRARequest
 from photon.outputs import Logprob, RequestOutput, SampleLogprobs
 from photon.sampling_params import SamplingParams
 from photon.server.admission import Admission, Ticket
 from photon.server.defaults import unset_defaults
 from photon.server.errors import APIError, bad_request, invalid_value
+from photon.server.lora import AdapterNames
 from photon.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -64,8 +66,9 @@ class Run:
     finishes, and whatever is left when the run is aborted or fails."""
 
     def __init__(self, engine: AsyncEngine, sink: RequestSink, run_id: str,
-                 request_ids: list[str], ticket: Ticket, n: int) -> None:
+                 request_ids: list[str], ticket: Ticket, n: int, model: str) -> None:
         self.id = run_id  # the response's id
+        self.model = model  # the response's model: the served model's name, or the adapter's
         self.engine = engine
         self.sink = sink
         self.request_ids = request_ids
@@ -123,12 +126,14 @@ class Serving:
                                    config.max_queued_requests, config.shared_admission)
         self.text = PromptTokenizer(self.core.tokenizer, config.max_model_len)
         self.kv_transfer = "kv_transfer_params" in inspect.signature(engine.add_request).parameters
+        self.adapters = AdapterNames(engine, config.served_model_name,
+                                     self.core.config.lora_config is not None)
 
     # ---- checks -------------------------------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.config.served_model_name:
-            raise APIError(404, f"The model `{name}` does not exist.", param="model",
-                           code="model_not_found")
+    async def resolve_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter the request's `model` names (None: the base model); 404 for a
+        name that is neither."""
+        return await self.adapters.resolve(name)
 
     def check_num_prompts(self, num_prompts: int, n: int) -> None:
         limit = self.config.max_prompts_per_request
@@ -239,26 +244,27 @@ class Serving:
 
     # ---- running ------------------------------------------------------------------------------
     async def start(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
-                    kv_transfer_params: dict[str, Any] | None = None) -> Run:
+                    kv_transfer_params: dict[str, Any] | None = None,
+                    lora_request: LoRARequest | None = None) -> Run:
         self.check_kv_transfer(kv_transfer_params, len(prompts), params.n)
         # No await before admit(): concurrent requests are counted in the order they get here.
         ticket = self.admission.admit(len(prompts) * params.n)
         try:
             await precompile(self.core, params.structured_outputs)
-            return await self._add(prompts, params, prefix, ticket, kv_transfer_params)
+            model = self.config.served_model_name if lora_request is None \
+                else lora_request.lora_name
+            return await self._add(prompts, params, f"{prefix}-{uuid.uuid4().hex}", model,
+                                   ticket, _extra(kv_transfer_params, lora_request))
         except BaseException:
             ticket.release_all()
             raise
 
-    async def _add(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
-                   ticket: Ticket, kv_transfer_params: dict[str, Any] | None) -> Run:
+    async def _add(self, prompts: list[list[int]], params: SamplingParams, base: str,
+                   model: str, ticket: Ticket, extra: dict[str, Any]) -> Run:
         sink = RequestSink()
-        base = f"{prefix}-{uuid.uuid4().hex}"
         ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
-        run = Run(self.engine, sink, base, ids, ticket, params.n)
+        run = Run(self.engine, sink, base, ids, ticket, params.n, model)
         now = time.monotonic()
-        # Only given when set: an engine without a KV connector need not take the argument.
-        extra = {} if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
         results = await asyncio.gather(*(
             self.engine.add_request(p, params, rid, sink, tag=i, arrival_time=now, **extra)
             for i, (p, rid) in enumerate(zip(prompts, ids))), return_exceptions=True)
@@ -276,6 +282,18 @@ class Serving:
         if stream:
             return AbortingStream(events(run), run.abort_unfinished)
         return await _unless_disconnected(raw, run, collect(run))
+
+
+def _extra(kv_transfer_params: dict[str, Any] | None, lora_request: LoRARequest | None
+           ) -> dict[str, Any]:
+    """add_request's optional arguments, only those given: an engine without a KV connector
+    need not take kv_transfer_params."""
+    extra: dict[str, Any] = {}
+    if kv_transfer_params is not None:
+        extra["kv_transfer_params"] = kv_transfer_params
+    if lora_request is not None:
+        extra["lora_request"] = lora_request
+    return extra
 
 
 async def _wait_disconnect(raw: Request) -> None:

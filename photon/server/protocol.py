@@ -343,7 +343,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "photon"
-    root: str | None = None
+    root: str | None = None  # a LoRA adapter's: its lora_path
+    parent: str | None = None  # a LoRA adapter's: the base model (None: the base model itself)
     max_model_len: int | None = None
     vocab_size: int | None = None  # photon's addition: token-id prompts must stay below it
 
@@ -351,6 +352,24 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body): serve the PEFT adapter at `lora_path` (a path
+    on the server) under the model name `lora_name`."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: Text
+    lora_path: Text
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter: stop serving `lora_name` (requests already running with
+    it finish first). vLLM's optional `lora_int_id` is accepted and not needed."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: Text
+    lora_int_id: Int | None = None
 
 
 class TokenizeResponse(BaseModel):
