@@ -36,7 +36,7 @@ MODELS = {
     # 4 experts (1 per rank), intermediate 128 (32 per rank)
     "mixtral": ("MixtralForCausalLM", {"extra": MIXTRAL}),
 }
-DENSE = ["llama-kv2", "qwen3-kv1", "llama-kv4", "qwen3-kv4"]
+DENSE = ["llama-kv2", "qwen3-kv1", "llama-kv4"]
 MOE = ["qwen3-moe", "mixtral"]
 
 
