@@ -6,7 +6,6 @@ prompts equal the ones the servers publish."""
 from __future__ import annotations
 
 import re
-import socket
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
@@ -16,23 +15,9 @@ from photon.engine.block_hash import block_hashes
 from photon.router.router import Router, RouterConfig
 from tests.router_util import live_router
 from tests.server_util import LiveServer, live_server, wait_until
+from tests.test_bench_router_tool import _tool
 
 BLOCK = 16
-
-
-def _free_port_pair() -> int:
-    """A port P such that P and P + 1 (the replay socket) were free just now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free pair of loopback ports")
 
 
 @contextmanager
@@ -40,7 +25,7 @@ def _servers(n: int) -> Iterator[list[tuple[LiveServer, str]]]:
     with ExitStack() as stack:
         out = []
         for _ in range(n):
-            port = _free_port_pair()
+            port = _tool().free_port(pair=True)  # events at port, replay at port + 1
             # A wildcard host binds (a named host would connect, as in vLLM).
             events = {"enable_kv_cache_events": True, "publisher": "zmq",
                       "endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{port + 1}"}

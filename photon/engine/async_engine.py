@@ -106,7 +106,21 @@ class _NullObserver:
         pass
 
 
-class AsyncEngine:
+class StreamsRequests:
+    """`generate` of both engine front ends (AsyncEngine, AsyncLLM): `stream_request` over the
+    front end's own add_request / abort."""
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 kv_transfer_params: dict[str, Any] | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """One request's delta outputs; leaving the loop early aborts the request.
+        kv_transfer_params: disaggregation (RequestOutput.kv_transfer_params on a prefill
+        instance's final output); lora_request: its LoRA adapter (None: the base model)."""
+        return stream_request(self, prompt_ids, params, request_id, kv_transfer_params,
+                              lora_request)
+
+
+class AsyncEngine(StreamsRequests):
     def __init__(self, engine: EngineCore, observer: EngineObserver | None = None) -> None:
         self.engine = engine
         self.observer: EngineObserver = observer or _NullObserver()
@@ -194,15 +208,6 @@ class AsyncEngine:
             return UTILITIES[method](self.engine, *args)
 
         return self.call(run, timeout)
-
-    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 kv_transfer_params: dict[str, Any] | None = None,
-                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
-        """One request's delta outputs; leaving the loop early aborts the request.
-        kv_transfer_params: disaggregation (RequestOutput.kv_transfer_params on a prefill
-        instance's final output); lora_request: its LoRA adapter (None: the base model)."""
-        return stream_request(self, prompt_ids, params, request_id, kv_transfer_params,
-                              lora_request)
 
     def _check_alive(self) -> None:
         if not self.healthy:

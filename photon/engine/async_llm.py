@@ -23,7 +23,6 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from photon.config import EngineConfig
@@ -32,11 +31,11 @@ from photon.engine.async_engine import (
     EngineObserver,
     EngineUnavailableError,
     RequestSink,
+    StreamsRequests,
     TrackedRequest,
     _Counters,
     _NullObserver,
     stopped_message,
-    stream_request,
 )
 from photon.engine.core_client import CoreClient, CoreGoneError
 from photon.engine.core_group import CoreGroup, combine_stats
@@ -109,7 +108,7 @@ def exit_cause(code: int | None) -> str:
             f"one, is in the log above)")
 
 
-class AsyncLLM:
+class AsyncLLM(StreamsRequests):
     def __init__(self, config: EngineConfig, observer: EngineObserver | None = None,
                  client: CoreClient | None = None) -> None:
         """`client`: attach to a core another process started (`CoreClient.attach`); by
@@ -215,15 +214,6 @@ class AsyncLLM:
             client = None if core_id is None else self.cores.owner(core_id)
         if client is not None and client.alive:
             _send(client, Abort([core_id]), required=False)
-
-    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 kv_transfer_params: dict[str, Any] | None = None,
-                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
-        """One request's delta outputs; leaving the loop early aborts the request.
-        kv_transfer_params: disaggregation (RequestOutput.kv_transfer_params on a prefill
-        instance's final output); lora_request: its LoRA adapter (None: the base model)."""
-        return stream_request(self, prompt_ids, params, request_id, kv_transfer_params,
-                              lora_request)
 
     def call_utility(self, method: str, timeout: float = 30.0, args: tuple[str, ...] = ()
                      ) -> Any:
