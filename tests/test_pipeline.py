@@ -93,6 +93,8 @@ def run(llm: LLM, specs: list[Spec], eos: frozenset[int] | None = None) -> tuple
     results: dict[str, list[tuple[list[int], str | None]]] = {}
     while core.has_unfinished():
         for out in core.step():
+            # No spec here fails: an error (an engine fault contained to its request) is a bug.
+            assert out.error is None, f"{out.request_id} failed: {out.error}"
             results[out.request_id] = [(c.token_ids, c.finish_reason) for c in out.outputs]
             m = aborts.get(out.request_id)
             if m is not None and not out.finished and len(out.outputs[0].token_ids) >= m:
