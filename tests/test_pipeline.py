@@ -41,6 +41,7 @@ class Audit:
     # Aligned with `schedule`: per row, the drafts it verifies if it is a speculative row, else
     # None (a plain row: positions from the host).
     row_spec: list[tuple[int | None, ...]] = field(default_factory=list)
+    spec_k: list[int] = field(default_factory=list)  # aligned with `schedule`: each plan's K_eff
 
     def install(self) -> None:
         sched, kv = self.core.scheduler, self.core.kv
@@ -51,6 +52,7 @@ class Audit:
             self.schedule.append(tuple((q.request_id, r.start, r.num_tokens, r.sample)
                                        for r, q in zip(out.plan.rows, out.requests)))
             self.row_spec.append(tuple(r.spec if r.speculative else None for r in out.plan.rows))
+            self.spec_k.append(out.spec_k)
             return out
 
         def add(req: Request) -> None:

@@ -123,3 +123,26 @@ def test_the_policy_weighs_acceptance_against_step_time() -> None:
     assert policy.choose(4) == 3  # at half a plain step's cost any drafts pay
     policy.cost = MeasuredCostModel(saturation_tokens=4)  # the roofline prior: saturated
     assert policy.choose(1) == 3 and policy.choose(64) == 0
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_steps_carrying_a_prompt_chunk_verify_no_drafts(pipelined: bool) -> None:
+    """With the switch on (speculation always pays here), a step that carries a prompt chunk
+    (an admission, a chunked prompt) verifies no drafts, and its speculative requests still
+    propose, so a following step without prompt chunks verifies K at once. Greedy tokens equal
+    the engine without speculation."""
+    kw = dict(max_num_seqs=2, max_num_batched_tokens=12)
+    specs = _specs()  # 4 requests, 2 at a time: refills while others decode
+    base, _ = run(_llm(pipelined, **kw), specs)
+    llm = _llm(pipelined, K, **kw)
+    attach_policy(llm, ExpensiveFrom(1 << 30))
+    out, audit = run(llm, specs)
+    assert out == base
+    chunks = [i for i, rows in enumerate(audit.schedule)
+              if any(n > 1 and spec is None for (_, _, n, _), spec in zip(rows, audit.row_spec[i]))]
+    assert chunks and all(s in (None, 0) for i in chunks for s in audit.row_spec[i])
+    assert any(len(audit.schedule[i]) > 1 for i in chunks)  # chunks beside decoding requests
+    after = [audit.row_spec[i + 1] for i in chunks
+             if i + 1 < len(audit.schedule) and i + 1 not in chunks]
+    assert any(K in rows for rows in after)  # drafts proposed in the mixed step are verified
+    assert _accepted(llm) > 0

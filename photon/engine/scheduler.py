@@ -184,9 +184,11 @@ class Scheduler:
         self._released = []
         budget = self.config.max_num_batched_tokens
         running = RequestStatus.RUNNING
-        k_eff = self._spec_width()
+        k_choice = self._spec_width()
+        k_eff = 0 if k_choice and self.spec_policy is not None and self._prefill_ahead() \
+            else k_choice
         out.spec_k = k_eff
-        out.plan.propose = k_eff > 0
+        out.plan.propose = k_choice > 0
         for req in list(self.running):  # a copy: preemption edits the list
             if budget == 0:
                 break
@@ -219,6 +221,17 @@ class Scheduler:
             return self.spec_k
         batch = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
         return min(self.spec_k, self.spec_policy.choose(batch))
+
+    def _prefill_ahead(self) -> bool:
+        """Whether this step may carry a prompt chunk: a waiting request it may admit, or a
+        running one still computing its prompt (or a preempted one's recompute). With the
+        adaptive switch such a mixed step verifies no drafts (its speculative requests run one-
+        position rows and still propose): it runs eagerly, where K + 1 positions per row cost
+        their full share, and its time is no decode step's the cost model knows."""
+        if self.waiting and len(self.running) < self.max_running:
+            return True
+        return any(not r.spec_live and r.num_known_tokens - r.num_computed_tokens > 1
+                   for r in self.running)
 
     @staticmethod
     def _plain_row(req: Request, k: int) -> bool:

@@ -4,8 +4,8 @@ Invariant: the device knows each request's length, `dev_len[req_index]` (committ
 those accepted by steps not yet committed), and the host never reads it. Every sampling row sets
 it (plain rows: seq_len + 1, `advance_plain`; speculative rows: dev_len + accepted + 1,
 `advance`), and after each sampling row of a speculative request in a step that proposes
-(`StepPlan.propose`: its K_eff > 0) the proposer writes its next drafts into the token pool at
-dev_len .. dev_len + K - 1 (`num_draft[req_index]` of them are proposals). `num_draft` is read
+(`StepPlan.propose`: the switch chose K_eff > 0) the proposer writes its next drafts into the
+token pool at dev_len .. dev_len + K - 1 (`num_draft[req_index]` of them are proposals). `num_draft` is read
 only by a row verifying drafts, which the scheduler plans only after such a proposing row (a
 row verifying none clamps it to 0). A speculative row
 (photon.core.step.ScheduledRow) then queries positions dev_len - 1 .. dev_len + K - 1: its last
