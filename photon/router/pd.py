@@ -41,6 +41,8 @@ class RouterHops:
 
     async def open(self, role: Role, method: str, path: str, headers: dict[str, str],
                    body: dict[str, Any] | None = None) -> Hop:
+        if role == "prefill" and not self.router.decode_pool.healthy():
+            raise no_backend([], "decode instance")  # a prefill no one can decode is waste
         failed: list[Attempt] = []
         for _ in range(MAX_ATTEMPTS):
             decision = self._choose(role, [a.url for a in failed])
