@@ -158,6 +158,14 @@ def test_backends_file_roles(tmp_path: Path) -> None:
         read_backends_file(str(path))
     path.write_text("prefill http://p:1\ndecode http://d:1/  # one\n\n")
     assert read_backends_file(str(path)) == Listed((), ("http://p:1",), ("http://d:1",))
+    router = Router(RouterConfig(backends_file=str(path)))
+    assert router.disaggregated and router.pool.urls() == ["http://p:1"]
+    path.write_text("http://a:1\n")
+    router.reload_backends()  # cannot switch to plain backends: the pools stay
+    assert (router.pool.urls(), router.decode_pool.urls()) == (["http://p:1"], ["http://d:1"])
+    path.write_text("prefill http://p:1\ndecode http://d:2\n")
+    router.reload_backends()
+    assert router.decode_pool.urls() == ["http://d:2"]
     path.write_text("http://a:1\nencode http://d:1\n")
     with pytest.raises(ValueError, match=r"backends.txt:2: 'encode http://d:1' is not a "
                                          r"backend line"):
