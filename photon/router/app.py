@@ -99,7 +99,8 @@ def _add_utility_routes(app: FastAPI, router: Router) -> None:
                   for name, pool in pools.items()}
         down = [name for name, urls in states.items() if "up" not in urls.values()]
         if down:
-            return error_response(503, f"no healthy {' or '.join(down)}: {states}",
+            what = " or ".join("backend" if n == "backends" else f"{n} instance" for n in down)
+            return error_response(503, f"no healthy {what}: {states}",
                                   code="no_healthy_backend")
         return {"status": "ok", "policy": router.policy.name, **states}
 
