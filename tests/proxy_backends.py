@@ -28,12 +28,13 @@ class Seen:
 
 @dataclass
 class FakeBackend:
-    name: str  # "prefill" or "decode"
+    name: str  # "prefill..." (answers with kv_transfer_params) or "decode..."
     seen: list[Seen] = field(default_factory=list)
     answer: tuple[int, bytes, dict[str, str]] | None = None  # (status, body, headers) to give
     break_stream: bool = False  # end a stream after its first chunk without finishing it
     hang: asyncio.Event | None = None  # answer only once set
     healthy: bool = True
+    params: dict[str, Any] | None = None  # a prefill instance's kv_transfer_params (TRANSFER)
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -50,8 +51,8 @@ class FakeBackend:
                 return StreamingResponse(self._stream(), media_type="text/event-stream")
             out: dict[str, Any] = {"id": f"{self.name}-1", "choices": [{"index": 0,
                                                                         "text": self.name}]}
-            if self.name == "prefill":
-                out["kv_transfer_params"] = TRANSFER
+            if self.name.startswith("prefill"):
+                out["kv_transfer_params"] = TRANSFER if self.params is None else self.params
             return JSONResponse(out)
 
         for path in ("/v1/completions", "/v1/chat/completions"):

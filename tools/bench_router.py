@@ -10,8 +10,11 @@ GPU: --model-shape qwen3-0.6b (random weights of that shape) or --model DIR, --d
 replica i on CUDA device devices[i % len].
 
 Every replica publishes KV events (--kv-events-config binding tcp://*:P, replay tcp://*:P+1,
-ports chosen at run time on loopback). Between policies the replicas' prefix caches are reset
-(POST /reset_prefix_cache where the server has it; otherwise they are restarted). Writes
+ports chosen at run time on loopback). Between policies the replicas' prefix caches are emptied
+with POST /reset_prefix_cache once each replica is idle (retried while it answers 409, for at
+most --reset-timeout seconds); --restart-between restarts the replicas instead (as does a server
+without the endpoint). Each policy gets a router of its own, so its prefix index starts empty
+(a new router replays the events the replicas still buffer, AllBlocksCleared included). Writes
 OUTPUT_DIR/POLICY.json (the bench's summary) for each policy and `reference`, and
 OUTPUT_DIR/table.md; prints the table. Every process it starts is stopped and reaped on exit,
 on an error and on Ctrl-C / SIGTERM.
@@ -37,6 +40,8 @@ import httpx
 
 POLICIES = ("round_robin", "least_load", "prefix_aware")
 START_TIMEOUT_S = 600.0
+RESET_TIMEOUT_S = 120.0
+POLL_S = 0.5
 PHOTON = [sys.executable, "-m", "photon.cli"]
 
 
@@ -151,13 +156,42 @@ def replicas(ns: argparse.Namespace, model: str, count: int, num_blocks: int | N
         yield out
 
 
-def reset_caches(reps: Sequence[Replica]) -> bool:
-    """POST /reset_prefix_cache on every replica; False when any lacks it or refuses."""
-    try:
-        return all(httpx.post(r.url + "/reset_prefix_cache", timeout=30.0).status_code == 200
-                   for r in reps)
-    except httpx.HTTPError:
-        return False
+def busy(url: str) -> float:
+    """The requests running or waiting on the server at `url` (its /metrics gauges; 0 when it
+    has none)."""
+    from photon.router.health import parse_load
+
+    resp = httpx.get(url + "/metrics", timeout=30.0)
+    load = parse_load(resp.text) if resp.status_code == 200 else None
+    return 0.0 if load is None else load.running + load.waiting
+
+
+def reset_cache(url: str, timeout_s: float = RESET_TIMEOUT_S, poll_s: float = POLL_S) -> bool:
+    """Empty the prefix cache of the server at `url`: POST /reset_prefix_cache once it is idle,
+    again while it answers 409 (requests still hold KV blocks), for at most `timeout_s`.
+    False when the server has no such endpoint; RuntimeError when it stays busy or fails."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = None
+        if busy(url) == 0:
+            status = httpx.post(url + "/reset_prefix_cache", timeout=30.0).status_code
+            if status == 200:
+                return True
+            if status in (404, 405):
+                return False
+            if status != 409:
+                raise RuntimeError(f"POST {url}/reset_prefix_cache answered {status}")
+        if time.monotonic() > deadline:
+            why = "answered 409" if status == 409 else "still has requests"
+            raise RuntimeError(f"{url} {why} after {timeout_s:.0f} s: its prefix cache could "
+                               f"not be reset (--reset-timeout, or --restart-between)")
+        time.sleep(poll_s)
+
+
+def reset_caches(reps: Sequence[Replica], timeout_s: float = RESET_TIMEOUT_S) -> bool:
+    """Every replica's prefix cache emptied; False when a replica lacks POST
+    /reset_prefix_cache (then restart them)."""
+    return all(reset_cache(r.url, timeout_s) for r in reps)
 
 
 @contextmanager
@@ -207,15 +241,17 @@ def table(rows: Sequence[tuple[str, dict]]) -> str:
 
 def run_policies(ns: argparse.Namespace, model: str, tokenizer: str, out: Path,
                  logdir: Path) -> list[tuple[str, dict]]:
-    """Every policy against the same replicas (reset between runs, or restarted)."""
+    """Every policy against the same replicas (their caches reset between runs, or the
+    replicas restarted), each behind a router of its own."""
     rows: list[tuple[str, dict]] = []
     with ExitStack() as fleet:
         reps = fleet.enter_context(replicas(ns, model, ns.replicas, ns.num_blocks, logdir,
                                             "fleet"))
         for i, policy in enumerate(ns.policies):
-            if i and not reset_caches(reps):
-                print("[bench_router] no POST /reset_prefix_cache: restarting the replicas",
-                      file=sys.stderr, flush=True)
+            if i and (ns.restart_between or not reset_caches(reps, ns.reset_timeout)):
+                if not ns.restart_between:
+                    print("[bench_router] no POST /reset_prefix_cache: restarting the replicas",
+                          file=sys.stderr, flush=True)
                 fleet.close()
                 reps = fleet.enter_context(replicas(ns, model, ns.replicas, ns.num_blocks,
                                                     logdir, f"fleet{i}"))
@@ -249,6 +285,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="One more `photon serve` argument (repeat it).")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--no-reference", action="store_true")
+    p.add_argument("--restart-between", action="store_true",
+                   help="Restart the replicas between policies (default: POST "
+                        "/reset_prefix_cache on each, once idle).")
+    p.add_argument("--reset-timeout", type=float, default=RESET_TIMEOUT_S, metavar="S",
+                   help="Seconds to wait for a replica to go idle and accept the reset.")
     p.add_argument("--endpoint", default="/v1/chat/completions")
     p.add_argument("--num-conversations", type=int, default=64)
     p.add_argument("--num-turns", type=int, default=6)
@@ -262,6 +303,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ns = p.parse_args(argv)
     if ns.replicas < 1:
         p.error(f"--replicas must be at least 1, got {ns.replicas}")
+    if not ns.reset_timeout > 0:
+        p.error(f"--reset-timeout must be > 0 seconds, got {ns.reset_timeout}")
     return ns
 
 

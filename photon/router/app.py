@@ -17,7 +17,9 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from photon import __version__
+from photon.proxy.hops import install_upstream_handler
 from photon.router.forward import forward
+from photon.router.pd import forward_two_hops
 from photon.router.router import Router
 from photon.server.errors import error_response, install_handlers
 from photon.server.middleware import BodyLimitMiddleware
@@ -37,6 +39,7 @@ def build_router_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY) -> 
     app = FastAPI(title="photon router", version=__version__, lifespan=lifespan)
     app.state.router = router
     install_handlers(app)
+    install_upstream_handler(app)
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
     _add_openai_routes(app, router)
     _add_utility_routes(app, router)
@@ -59,6 +62,8 @@ def _add_openai_routes(app: FastAPI, router: Router) -> None:
         data, body = await _json_body(raw)
         if isinstance(body, Response):
             return body
+        if router.disaggregated:
+            return await forward_two_hops(router, raw, raw.url.path, body)
         return await forward(router, raw.url.path, data, body, raw.headers)
 
     for path in ("/v1/completions", "/v1/chat/completions"):
@@ -87,11 +92,17 @@ async def _first_answer(router: Router, path: str, auth: str | None) -> Response
 def _add_utility_routes(app: FastAPI, router: Router) -> None:
     @app.get("/health")
     async def health() -> Any:
-        states = {b.url: "up" if b.healthy else "down" for b in router.pool}
-        if "up" not in states.values():
-            return error_response(503, f"no healthy backend: {states}",
+        """200 while a backend (disaggregated: an instance of each role) is up."""
+        pools = {"prefill": router.pool, "decode": router.decode_pool} \
+            if router.disaggregated else {"backends": router.pool}
+        states = {name: {b.url: "up" if b.healthy else "down" for b in pool}
+                  for name, pool in pools.items()}
+        down = [name for name, urls in states.items() if "up" not in urls.values()]
+        if down:
+            what = " or ".join("backend" if n == "backends" else f"{n} instance" for n in down)
+            return error_response(503, f"no healthy {what}: {states}",
                                   code="no_healthy_backend")
-        return {"status": "ok", "policy": router.policy.name, "backends": states}
+        return {"status": "ok", "policy": router.policy.name, **states}
 
     @app.get("/version")
     async def version() -> dict[str, str]:

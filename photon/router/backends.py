@@ -28,11 +28,66 @@ def default_events_endpoint(url: str) -> str:
     return f"tcp://{host}:{DEFAULT_KV_EVENTS_PORT}"
 
 
-def read_backends_file(path: str) -> list[str]:
-    """One backend URL a line; blank lines and `#` comments are skipped."""
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Listed:
+    """The backends as listed (flags and file): plain ones, or prefill and decode instances."""
+    plain: tuple[str, ...] = ()
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill or self.decode)
+
+    @property
+    def routed(self) -> tuple[str, ...]:
+        """The backends the policy chooses among: the prefill instances, or the plain ones."""
+        return self.prefill if self.disaggregated else self.plain
+
+    def __add__(self, other: Listed) -> Listed:
+        return Listed(self.plain + other.plain, self.prefill + other.prefill,
+                      self.decode + other.decode)
+
+    def check(self) -> Listed:
+        """Itself, normalized; ValueError naming what is wrong."""
+        out = Listed(*(tuple(normalize_url(u) for u in urls)
+                       for urls in (self.plain, self.prefill, self.decode)))
+        if not (out.plain or out.disaggregated):
+            raise ValueError("no backends: give --backends URL... or --backends-file PATH "
+                             "(or --prefill URL... --decode URL...)")
+        if out.plain and out.disaggregated:
+            raise ValueError("plain backends (--backends, or a file line without a role) cannot "
+                             "be mixed with prefill/decode instances (--prefill, --decode)")
+        if out.disaggregated and not (out.prefill and out.decode):
+            raise ValueError(f"prefill/decode disaggregation needs at least one instance of each "
+                             f"role: got {len(out.prefill)} prefill (--prefill) and "
+                             f"{len(out.decode)} decode (--decode)")
+        every = out.plain + out.prefill + out.decode
+        twice = sorted({u for u in every if every.count(u) > 1})
+        if twice:
+            raise ValueError(f"backends: listed twice: {', '.join(twice)} (an instance has one "
+                             f"role)")
+        return out
+
+
+def read_backends_file(path: str) -> Listed:
+    """One backend a line: `URL`, or `prefill URL` / `decode URL` for the instances of
+    prefill/decode disaggregation; blank lines and `#` comments are skipped."""
     with open(path, encoding="utf-8") as f:
-        lines = [line.split("#", 1)[0].strip() for line in f]
-    return [normalize_url(line) for line in lines if line]
+        lines = [line.split("#", 1)[0].split() for line in f]
+    found: dict[str, list[str]] = {"plain": [], "prefill": [], "decode": []}
+    for number, words in enumerate(lines, 1):
+        if len(words) == 1:
+            found["plain"].append(normalize_url(words[0]))
+        elif len(words) == 2 and words[0] in ROLES:
+            found[words[0]].append(normalize_url(words[1]))
+        elif words:
+            raise ValueError(f"{path}:{number}: {' '.join(words)!r} is not a backend line; "
+                             f"give URL, or prefill URL, or decode URL")
+    return Listed(*(tuple(found[k]) for k in ("plain", "prefill", "decode")))
 
 
 @dataclass

@@ -15,7 +15,12 @@ DESCRIPTION = """Send each OpenAI request to one of several photon (or vLLM) ser
 Policies: round_robin; least_load (requests in flight, or the backend's own running + waiting
 gauges when larger); prefix_aware (the backend whose KV cache already holds most of the
 prompt, from the backends' KV cache events: cost = --prefix-weight x prompt blocks to prefill
-+ load; ties and overload fall back to least load). See docs/router.md."""
++ load; ties and overload fall back to least load).
+
+Prefill/decode disaggregation: with --prefill and --decode instead of --backends, each
+completions or chat request goes first to the prefill instance the policy chooses (max_tokens=1,
+kv_transfer_params {"do_remote_decode": true}), then, with the kv_transfer_params it returns,
+to the least loaded decode instance, as `photon proxy` does. See docs/router.md."""
 
 
 def add_router(sub: Any) -> None:
@@ -25,15 +30,21 @@ def add_router(sub: Any) -> None:
                        description=DESCRIPTION, formatter_class=RawDescriptionHelpFormatter)
     p.add_argument("--backends", nargs="+", default=None, metavar="URL",
                    help="The servers' base URLs (http://host:port).")
+    p.add_argument("--prefill", nargs="+", default=None, metavar="URL",
+                   help="Prefill instances (disaggregation, instead of --backends): the policy "
+                        "chooses among them.")
+    p.add_argument("--decode", nargs="+", default=None, metavar="URL",
+                   help="Decode instances (with --prefill): the least loaded one decodes.")
     p.add_argument("--backends-file", default=None, metavar="PATH",
-                   help="More backend URLs, one a line (# comments); reloaded on SIGHUP and "
-                        "when the file changes.")
+                   help="More backends, one a line: URL, or `prefill URL` / `decode URL` "
+                        "(# comments); reloaded on SIGHUP and when the file changes.")
     p.add_argument("--policy", default="least_load", choices=POLICIES.names(),
                    help="How to choose a backend.")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind.")
     p.add_argument("--port", type=int, default=8000, help="Port (0 = any free).")
     p.add_argument("--kv-events", nargs="+", default=None, metavar="ENDPOINT",
-                   help="prefix_aware: each backend's KV events endpoint, in --backends order "
+                   help="prefix_aware: each backend's KV events endpoint, in --backends (or "
+                        "--prefill) order "
                         "(default: tcp://BACKEND_HOST:5557; the replay socket is at port + 1).")
     p.add_argument("--block-size", type=int, default=16,
                    help="prefix_aware: the backends' KV block size in tokens.")
@@ -83,7 +94,8 @@ def router_config(ns: argparse.Namespace) -> Any:
     if ns.prefix_weight < 0 or ns.balance_threshold < 0:
         raise ValueError("--prefix-weight and --balance-threshold must be >= 0")
     return RouterConfig(
-        backends=tuple(ns.backends or ()), backends_file=ns.backends_file, policy=ns.policy,
+        backends=tuple(ns.backends or ()), backends_file=ns.backends_file,
+        prefill=tuple(ns.prefill or ()), decode=tuple(ns.decode or ()), policy=ns.policy,
         policy_config=PolicyConfig(ns.prefix_weight, ns.balance_threshold),
         kv_events=tuple(ns.kv_events or ()), block_size=ns.block_size,
         health_interval_s=ns.health_interval, health_timeout_s=ns.health_timeout,

@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from photon.router.backends import Backend
 from photon.router.events import BlockKey
 from photon.router.router import Router
-from photon.server.errors import error_body, error_response
+from photon.server.errors import APIError, error_body, error_response
 
 log = logging.getLogger("photon.router")
 
@@ -64,16 +64,18 @@ async def forward(router: Router, path: str, raw: bytes, body: dict[str, Any],
             return result
         router.not_sent(decision.url, hashes)
         failed.append(result)
-    return _no_backend(failed)
+    e = no_backend(failed)
+    return error_response(e.status, e.message, code=e.code)
 
 
-def _no_backend(failed: list[Attempt]) -> Response:
+def no_backend(failed: list[Attempt], what: str = "backend") -> APIError:
+    """The error when every try failed (502), or none could be made (503)."""
     if not failed:
-        return error_response(503, "no healthy backend to send the request to",
-                              code="no_healthy_backend")
+        return APIError(503, f"no healthy {what} to send the request to",
+                        code="no_healthy_backend")
     tried = "; ".join(f"{a.url}: {a.error}" for a in failed)
-    return error_response(502, f"the request failed on every backend tried ({tried})",
-                          code="backend_failed")
+    return APIError(502, f"the request failed on every {what} tried ({tried})",
+                    code="backend_failed")
 
 
 async def _attempt(router: Router, url: str, path: str, raw: bytes, headers: Any,
@@ -88,12 +90,12 @@ async def _attempt(router: Router, url: str, path: str, raw: bytes, headers: Any
                                           headers=_request_headers(headers))
         resp = await router.client.send(req, stream=True)
         if resp.status_code == 503:  # its engine is stopped: worth another backend
-            raise _Unavailable((await resp.aread()).decode("utf-8", "replace")[:200])
+            raise Unavailable((await resp.aread()).decode("utf-8", "replace")[:200])
         chunks = resp.aiter_raw()
         first = await anext(chunks, b"") if stream else await resp.aread()
-    except (httpx.HTTPError, _Unavailable) as e:
+    except (httpx.HTTPError, Unavailable) as e:
         await _release(backend, resp)
-        return _failed(router, url, e)
+        return failed_attempt(router, url, e)
     if stream:
         body = _relay(router, backend, resp, first, chunks)
         return StreamingResponse(body, resp.status_code, headers=_response_headers(resp))
@@ -110,15 +112,16 @@ async def _release(backend: Backend, resp: httpx.Response | None) -> None:
             await resp.aclose()
 
 
-class _Unavailable(Exception):
+class Unavailable(Exception):
     """The backend answered 503 (its engine is stopped or unavailable)."""
 
 
-
-def _failed(router: Router, url: str, e: Exception) -> Attempt:
-    kind = "unavailable" if isinstance(e, _Unavailable) else type(e).__name__
+def failed_attempt(router: Router, url: str, e: Exception) -> Attempt:
+    """A try that failed before its first byte: counted, and a backend that refused the
+    connection or answered 503 is out of rotation until its health check passes."""
+    kind = "unavailable" if isinstance(e, Unavailable) else type(e).__name__
     router.metrics.errors.labels(url, kind).inc()
-    if isinstance(e, (httpx.ConnectError, _Unavailable)):
+    if isinstance(e, (httpx.ConnectError, Unavailable)):
         router.mark_down(url, f"{kind}: {e}")
     log.info("request to %s failed before its first byte: %s: %s", url, kind, e)
     return Attempt(url, f"{kind}: {e}" if str(e) else kind)

@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from photon.proxy.hops import HopMetrics
+
 
 class RouterMetrics:
     def __init__(self) -> None:
@@ -44,6 +46,12 @@ class RouterMetrics:
         self.hash_mismatches = Gauge("photon_router:block_hash_mismatches",
                                      "Chain roots whose hash differs from the router's.",
                                      ["backend"], registry=r)
+        # prefill/decode disaggregation: hops sent by role (retries included), failed hops
+        # (hop_errors{role, reason}) and the hops' times (prefill_seconds, decode_seconds)
+        self.hop_requests = Counter("photon_router:hop_requests",
+                                    "Hops sent to a prefill or decode instance.", ["role"],
+                                    registry=r)
+        self.hops = HopMetrics(r, "photon_router:", "hop_errors", "role")
 
     def render(self, refresh: Callable[[RouterMetrics], None]) -> bytes:
         """The metrics text after `refresh` has set the gauges from the current state."""

@@ -16,7 +16,14 @@ from typing import Any
 import httpx
 import zmq
 
-from photon.router.backends import BackendPool, file_mtime, normalize_url, read_backends_file
+from photon.router.backends import (
+    Backend,
+    BackendPool,
+    Listed,
+    file_mtime,
+    normalize_url,
+    read_backends_file,
+)
 from photon.router.events import BlockKey, EventDecoder, decode_event_batch
 from photon.router.hashing import BlockHasher, default_block_hasher
 from photon.router.health import probe_health, probe_load
@@ -34,9 +41,13 @@ log = logging.getLogger("photon.router")
 class RouterConfig:
     backends: tuple[str, ...] = ()
     backends_file: str | None = None
+    # prefill/decode disaggregation (instead of `backends`): the prefill instances, chosen by
+    # the policy, and the decode instances, chosen by least load
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
     policy: str = "round_robin"
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
-    kv_events: tuple[str, ...] = ()  # one endpoint per backend; default: host:5557
+    kv_events: tuple[str, ...] = ()  # one endpoint per backend (prefill); default: host:5557
     block_size: int = 16
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0
@@ -50,13 +61,16 @@ class RouterConfig:
 
 
 def _explicit_events(config: RouterConfig) -> dict[str, str]:
-    """--kv-events endpoints by backend URL (they pair with --backends, in order)."""
+    """--kv-events endpoints by backend URL (they pair with --backends, or with --prefill, in
+    order)."""
     if not config.kv_events:
         return {}
-    if len(config.kv_events) != len(config.backends):
-        raise ValueError(f"--kv-events: give one endpoint per --backends URL "
-                         f"({len(config.backends)}), got {len(config.kv_events)}")
-    return {normalize_url(u): e for u, e in zip(config.backends, config.kv_events)}
+    flag, urls = ("--prefill", config.prefill) if config.prefill else \
+        ("--backends", config.backends)
+    if len(config.kv_events) != len(urls):
+        raise ValueError(f"--kv-events: give one endpoint per {flag} URL "
+                         f"({len(urls)}), got {len(config.kv_events)}")
+    return {normalize_url(u): e for u, e in zip(urls, config.kv_events)}
 
 
 @dataclass(frozen=True)
@@ -72,12 +86,14 @@ class Router:
     def __init__(self, config: RouterConfig, parts: RouterParts | None = None) -> None:
         parts = parts or RouterParts()
         self.config = config
-        urls = list(config.backends)
-        if config.backends_file:
-            urls += read_backends_file(config.backends_file)
-        if not urls:
-            raise ValueError("no backends: give --backends URL... or --backends-file PATH")
-        self.pool = BackendPool(urls, _explicit_events(config))
+        listed = self._listed()
+        self.disaggregated = listed.disaggregated
+        # The policy chooses in `pool` (the plain backends, or the prefill instances: a
+        # prompt's prefix lives where it was prefilled); `decode_pool` is empty unless
+        # disaggregated, and chosen by least load.
+        self.pool = BackendPool(listed.routed, _explicit_events(config))
+        self.decode_pool = BackendPool(listed.decode)
+        self.decode_policy = make_policy("least_load")
         self.index = PrefixIndex(config.pending_ttl_s, parts.clock)
         self.policy = make_policy(config.policy, config.policy_config)
         self.metrics = RouterMetrics()
@@ -136,6 +152,20 @@ class Router:
         self.index.drop(url)
 
     # ---- backends ----------------------------------------------------------------------------
+    def _listed(self) -> Listed:
+        """The backends of the flags and --backends-file, checked."""
+        cfg = self.config
+        listed = Listed(cfg.backends, cfg.prefill, cfg.decode)
+        if cfg.backends_file:
+            listed = listed + read_backends_file(cfg.backends_file)
+        return listed.check()
+
+    def backend(self, url: str) -> Backend | None:
+        return self.pool.get(url) or self.decode_pool.get(url)
+
+    def urls(self) -> list[str]:
+        return self.pool.urls() + self.decode_pool.urls()
+
     def reload_backends(self) -> None:
         """Re-read --backends-file (SIGHUP, or its mtime changed); a bad file keeps the old list."""
         path = self.config.backends_file
@@ -143,31 +173,36 @@ class Router:
             return
         self._file_mtime = file_mtime(path)
         try:
-            urls = list(self.config.backends) + read_backends_file(path)
-            added, removed = self.pool.replace(urls)
+            listed = self._listed()
+            if listed.disaggregated != self.disaggregated:
+                raise ValueError("a reload cannot switch between plain backends and "
+                                 "prefill/decode instances (restart the router)")
         except (OSError, ValueError) as e:
             log.error("--backends-file %s not reloaded: %s", path, e)
             return
+        added, removed = self.pool.replace(listed.routed)
+        more, fewer = self.decode_pool.replace(listed.decode)
         for url in removed:
             self._unsubscribe(url)
         for url in added:
             self._subscribe(url)
-        if added or removed:
-            log.info("backends reloaded: added %s, removed %s", added or "none", removed or "none")
+        if added or removed or more or fewer:
+            log.info("backends reloaded: added %s, removed %s", added + more or "none",
+                     removed + fewer or "none")
 
     def request_reload(self) -> None:
         """Reload --backends-file at the next health tick (safe from a signal handler)."""
         self._reload_requested = True
 
     def mark_down(self, url: str, why: str) -> None:
-        backend = self.pool.get(url)
+        backend = self.backend(url)
         if backend is not None and backend.healthy:
             backend.healthy = False
             log.warning("backend %s is down: %s", url, why)
         self.index.drop(url)  # its cache is gone or unknown
 
     def _mark_up(self, url: str) -> None:
-        backend = self.pool.get(url)
+        backend = self.backend(url)
         if backend is not None and not backend.healthy:
             backend.healthy = True
             log.info("backend %s is up", url)
@@ -183,7 +218,7 @@ class Router:
                                           and file_mtime(path) != self._file_mtime):
                 self._reload_requested = False
                 self.reload_backends()
-            results = await asyncio.gather(*(self.check(url) for url in self.pool.urls()),
+            results = await asyncio.gather(*(self.check(url) for url in self.urls()),
                                            return_exceptions=True)
             for error in (r for r in results if isinstance(r, Exception)):
                 log.error("health check failed: %s: %s", type(error).__name__, error)
@@ -199,7 +234,7 @@ class Router:
         self._mark_up(url)
         load = await probe_load(self.client, url, cfg.health_timeout_s) \
             if cfg.scrape_metrics else None
-        backend = self.pool.get(url)
+        backend = self.backend(url)
         if load is not None and backend is not None:
             backend.running, backend.waiting = load.running, load.waiting
 
@@ -228,6 +263,14 @@ class Router:
             self.index.add_pending(decision.url, hashes)
         return decision
 
+    def choose_decode(self, exclude: Sequence[str] = ()) -> Decision | None:
+        """The decode instance for a request (least load); None when no healthy one is left
+        outside `exclude`."""
+        up = self.decode_pool.healthy(exclude)
+        if not up:
+            return None
+        return self.decode_policy.choose([Candidate(b.url, b.load) for b in up])
+
     def not_sent(self, url: str, hashes: Sequence[BlockKey]) -> None:
         """The request chosen for `url` failed there before its first byte."""
         self.index.forget_pending(url, hashes)
@@ -235,7 +278,7 @@ class Router:
     def refresh_metrics(self, m: RouterMetrics) -> None:
         m.index_blocks.set(self.index.num_blocks())
         m.pending_blocks.set(self.index.num_pending())
-        for backend in self.pool:
+        for backend in [*self.pool, *self.decode_pool]:
             m.healthy.labels(backend.url).set(1 if backend.healthy else 0)
             m.outstanding.labels(backend.url).set(backend.outstanding)
         for url, sub in self.subscribers.items():
