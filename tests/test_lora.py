@@ -9,11 +9,14 @@ import json
 import os
 import random
 import re
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from photon import LLM, LoRARequest, SamplingParams
 from photon.config import ConfigError
+from photon.engine.request import Request
 from photon.engine.scheduler import Scheduler
 from tests.hf_models import make_engine_model
 from tests.lora_util import make_adapter, peft_greedy
@@ -111,6 +114,83 @@ def test_slots_and_blocks_free_after_aborts_preemption_and_n(setup: dict,
     assert not engine.has_unfinished()
     assert engine.scheduler.num_preemptions > 0  # the small KV cache preempted requests
     assert len(loads) > 2  # adapters were evicted and reloaded
+    engine.assert_drained()
+
+
+def _admissions(sched: Scheduler) -> list[Request]:
+    """Wrap plan(): the requests in the order plans admit them."""
+    plan, order = sched.plan, []
+
+    def recorded():
+        out = plan()
+        order.extend(out.admitted)
+        return out
+
+    sched.plan = recorded
+    return order
+
+
+def _finish(engine: Any, on_step: Callable[[int], None] = lambda step: None) -> dict[str, list]:
+    """Step until done; each request's final token ids by id."""
+    final = {}
+    for step in range(400):
+        if not engine.has_unfinished():
+            break
+        on_step(step)
+        final.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert not engine.has_unfinished()
+    return final
+
+
+def test_a_request_waiting_for_a_slot_lets_the_others_run(setup: dict) -> None:
+    """One slot, held by a0: a request for a1 waits (skipped, in its place) while the base-model
+    and a0 requests queued behind it run; a1 runs once a0's last request is released."""
+    llm = LLM(setup["model"], **{**ENGINE, "max_loras": 1})
+    engine, prompts, refs = llm.engine, setup["prompts"], setup["refs"]
+    a0, a1 = setup["loras"][:2]
+    order = _admissions(engine.scheduler)
+    loads = _audit_slots(engine.scheduler)
+    choice = [a0, a1, None, a0, None]
+    ids = [engine.add_request(prompts[0], _params(), lora_request=a0)]
+    engine.step()  # a0's request runs: the only slot holds a0
+    ids += [engine.add_request(prompts[i], _params(), lora_request=choice[i]) for i in (1, 2, 3, 4)]
+    final = _finish(engine)
+    assert [r.request_id for r in order] == [ids[0], ids[2], ids[3], ids[4], ids[1]]
+    assert len(loads) == 2  # a0, then a1 once a0's slot was idle
+    assert [final[i] for i in ids] == _expected(setup, choice)
+    assert refs[a1.lora_int_id][1] != refs[None][1]
+    engine.assert_drained()
+
+
+def test_resident_adapters_overtake_a_waiting_request_a_bounded_number_of_times(
+        setup: dict) -> None:
+    """A steady stream of a0 requests would keep the only slot busy forever: at most
+    max_num_seqs of them are admitted past the waiting a1 request; then they wait too, the slot
+    drains and a1 gets it (before the a2 request queued after it)."""
+    llm = LLM(setup["model"], **{**ENGINE, "max_loras": 1})
+    engine, prompts = llm.engine, setup["prompts"]
+    a0, a1, a2 = setup["loras"]
+    order = _admissions(engine.scheduler)
+    ids = {engine.add_request(prompts[0], _params(), lora_request=a0): 0}
+    engine.step()
+    waiter = engine.add_request(prompts[1], _params(), lora_request=a1)
+    later = engine.add_request(prompts[2], _params(), lora_request=a2)
+    ids |= {waiter: 1, later: 2}
+    lora_of = {waiter: a1, later: a2}
+
+    def add_a0(step: int) -> None:  # a new a0 request every other step, for 60 steps
+        if step < 60 and step % 2 == 0:
+            i = 3 + step // 2 % 5
+            ids[engine.add_request(prompts[i], _params(), lora_request=a0)] = i
+
+    final = _finish(engine, add_a0)
+    admitted = [r.request_id for r in order]
+    past = admitted[:admitted.index(waiter)]
+    assert len(past) - 1 == ENGINE["max_num_seqs"]  # a0 requests admitted past the waiter
+    assert admitted.index(later) > admitted.index(waiter)
+    refs = setup["refs"]
+    for rid, i in ids.items():
+        assert final[rid] == refs[lora_of.get(rid, a0).lora_int_id][i]
     engine.assert_drained()
 
 

@@ -21,7 +21,14 @@ from photon.server.errors import APIError
 from photon.server.lora import AdapterNames
 from tests.hf_models import make_engine_model
 from tests.lora_util import make_adapter
-from tests.server_util import LiveServer, engine_paused, live_server, wait_drained, wait_until
+from tests.server_util import (
+    LiveServer,
+    engine_paused,
+    in_process_only,
+    live_server,
+    wait_drained,
+    wait_until,
+)
 
 KEY = "secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -269,4 +276,33 @@ def test_every_front_end_sees_one_registry(server: LiveServer, setup: dict,
     asyncio.run(other.load("a1", setup["paths"]["a1"]))
     assert _text(server, "a1", PROMPTS[1]) == reference["a1"][1]
     asyncio.run(other.unload("a1"))
+    wait_drained(server.engine)
+
+
+def test_a_request_racing_an_unload_gets_404(server: LiveServer, setup: dict,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another API server unloads a1 while this server's copy of the names still has it (one
+    message late; pinned here): the core refuses the request, and the client gets the 404 of
+    an unknown model, streamed or not; the server goes on."""
+    in_process_only()
+    names = server.app.state.serving.adapters
+    assert _load(server, "a1", setup["paths"]["a1"]).status_code == 200
+
+    async def stale() -> None:  # this server never hears of the unload
+        pass
+
+    monkeypatch.setattr(names, "refresh", stale)
+    other = AdapterNames(server.engine, "base", enabled=True)
+    asyncio.run(other.unload("a1"))
+    error = {"message": "The model `a1` does not exist.", "type": "invalid_request_error",
+             "param": "model", "code": "model_not_found"}
+    r = _complete(server, "a1", PROMPTS[0])
+    assert (r.status_code, r.json()) == (404, {"error": error})
+    body = {"model": "a1", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.stream("POST", server.api_url + "/chat/completions", json=body, headers=AUTH,
+                      timeout=60) as r:
+        r.read()
+        assert (r.status_code, r.json()) == (404, {"error": error})
+    monkeypatch.undo()
+    assert _text(server, "a0", PROMPTS[0]) is not None
     wait_drained(server.engine)

@@ -15,6 +15,7 @@ each; any core's death or error ends the whole engine as above.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import gc
@@ -48,6 +49,7 @@ from photon.engine.messages import (
     StepOutputs,
     Utility,
     UtilityResult,
+    refusal_error,
 )
 from photon.engine.output_processor import OutputProcessor
 from photon.engine.request_checks import RequestChecks
@@ -128,6 +130,7 @@ class AsyncLLM(StreamsRequests):
         self._lock = threading.Lock()  # _live and the processor: callers' threads vs the reader
         self._stop = False
         self._calls: dict[int, concurrent.futures.Future[Any]] = {}  # utility calls in flight
+        self._answers: dict[str, _Answer] = {}  # adapter requests' adds awaiting the core
         self._call_ids = itertools.count()
         # Starts the core processes (raises a start-up error), unless attached to one.
         self.cores = CoreGroup([client]) if client is not None else CoreGroup.spawn(config)
@@ -187,13 +190,16 @@ class AsyncLLM(StreamsRequests):
                           arrival_time: float | None = None,
                           kv_transfer_params: dict[str, Any] | None = None,
                           lora_request: LoRARequest | None = None) -> None:
-        """Check the request (raises ValueError) and send it to the core (which checks its
-        LoRA adapter: a bad one ends the request with an error output)."""
+        """Check the request (raises ValueError) and send it to the core. With an adapter,
+        wait for the core's check of it, and raise what that raises as the in-process engine
+        does: AdapterNotFoundError for an adapter unloaded meanwhile (through another API
+        server), ValueError for a bad one."""
         self._check_alive()
         self.frontend.checks.check(prompt_ids, params)
         parse_kv_transfer_params(kv_transfer_params)  # its key errors, before it is queued
         arrival = arrival_time or time.monotonic()
         entry = TrackedRequest(request_id, sink, tag, arrival, len(prompt_ids))
+        answer = _Answer(lora_request.lora_name) if lora_request is not None else None
         with self._lock:
             self._check_alive()  # again, under the lock: the reader may have failed all since
             if request_id in self._core_ids:
@@ -203,9 +209,17 @@ class AsyncLLM(StreamsRequests):
             self._live[core_id] = entry
             self._processor.add(core_id, request_id, prompt_ids, params, arrival)
             client = self.cores.assign(core_id)  # n > 1: the core runs every child
+            if answer is not None:
+                self._answers[core_id] = answer
         _send(client, AddRequest(core_id, prompt_ids, params, arrival,
                                  kv_transfer_params=kv_transfer_params,
                                  lora_request=lora_request))
+        if answer is not None:
+            try:
+                await asyncio.wrap_future(answer.future)
+            except asyncio.CancelledError:
+                self.abort(request_id)  # accepted or not: abort it right behind
+                raise
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; unknown or finished ids are ignored)."""
@@ -298,14 +312,21 @@ class AsyncLLM(StreamsRequests):
     def _dispatch(self, client: CoreClient, delta: Any, now: float,
                   ready: list[tuple[RequestSink, tuple[Any, RequestOutput]]]) -> None:
         with self._lock:
-            entry = self._live.get(delta.request_id)
-            if entry is None:
-                return
-            out, stopped = self._processor.process(delta)
-            if out is not None and out.finished:
-                del self._live[delta.request_id]
-                self._core_ids.pop(entry.request_id, None)
-                self.cores.release(delta.request_id)
+            answer = self._answers.pop(delta.request_id, None)
+            entry = None if delta.accepted else self._live.get(delta.request_id)
+            if entry is not None:
+                out, stopped = self._processor.process(delta)
+                if out is not None and out.finished:
+                    del self._live[delta.request_id]
+                    self._core_ids.pop(entry.request_id, None)
+                    self.cores.release(delta.request_id)
+        if answer is not None:
+            answer.give(None if delta.refused is None else
+                        refusal_error(delta.refused, delta.error or "", answer.lora_name))
+            if delta.refused is not None:
+                return  # its add_request raises it: no output
+        if entry is None:
+            return
         if stopped:
             _send(client, Abort(stopped), required=False)
         if out is not None:
@@ -339,6 +360,7 @@ class AsyncLLM(StreamsRequests):
             self._core_ids = {}
             self.cores.clear()
             calls, self._calls = list(self._calls.values()), {}
+            answers, self._answers = list(self._answers.values()), {}
             for core_id, _ in live:
                 self._processor.remove(core_id)
         live = [entry for _, entry in live]
@@ -346,3 +368,22 @@ class AsyncLLM(StreamsRequests):
             entry.sink.put_threadsafe((entry.tag, exc))
         for fut in calls:
             fut.set_exception(exc)
+        for answer in answers:
+            answer.give(exc)
+
+
+class _Answer:
+    """The core's answer to an adapter request's add, awaited by add_request."""
+
+    def __init__(self, lora_name: str) -> None:
+        self.lora_name = lora_name
+        self.future: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def give(self, error: BaseException | None) -> None:
+        try:
+            if error is None:
+                self.future.set_result(None)
+            else:
+                self.future.set_exception(error)
+        except concurrent.futures.InvalidStateError:
+            pass  # its add_request was cancelled (its request is aborted)

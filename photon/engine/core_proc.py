@@ -41,6 +41,7 @@ from photon.engine.messages import (
     StepOutputs,
     Utility,
     UtilityResult,
+    refusal,
 )
 from photon.lora.registry import LoRAAdapters
 from photon.outputs import RequestOutput
@@ -159,8 +160,9 @@ class _CoreLoop:
         self.encoder = msgspec.msgpack.Encoder()
         self.parent = os.getppid()
         self.client_of: dict[str, int] = {}  # request id -> the front end that sent it
-        # Per front end: adds that failed and utility calls answered, sent with the next send.
-        self.rejected: list[list[RequestDelta]] = [[] for _ in outputs]
+        # Per front end: answers to adds (refusals; acceptances of adapter requests) and utility
+        # calls answered, sent with the next send.
+        self.replies: list[list[RequestDelta]] = [[] for _ in outputs]
         self.results: list[list[UtilityResult]] = [[] for _ in outputs]
         self.paused = False  # no step runs while paused (inputs are still applied)
 
@@ -171,7 +173,7 @@ class _CoreLoop:
             if not self._receive(block=not busy):
                 break
             if self.paused or not self.core.has_work():
-                self._send([], None, None)  # rejected adds, and gauges back to zero
+                self._send([], None, None)  # answers to adds, and gauges back to zero
                 last_end = None
                 continue
             start = time.monotonic()
@@ -210,8 +212,12 @@ class _CoreLoop:
                                       lora_request=msg.lora_request)
                 self.client_of[msg.request_id] = msg.client
             except Exception as e:  # noqa: BLE001 - one request must not stop the core
-                self.rejected[msg.client].append(RequestDelta(msg.request_id, [], True,
-                                                              error=str(e)))
+                self.replies[msg.client].append(RequestDelta(
+                    msg.request_id, [], True, error=str(e), refused=refusal(e)))
+                return True
+            if msg.lora_request is not None:  # its front end awaits the check of its adapter
+                self.replies[msg.client].append(RequestDelta(msg.request_id, [], False,
+                                                             accepted=True))
         elif isinstance(msg, Abort):
             for rid in msg.request_ids:
                 self.core.abort(rid)
@@ -235,7 +241,7 @@ class _CoreLoop:
 
     def _send(self, outs: list[RequestOutput], step_s: float | None, gap_s: float | None
               ) -> None:
-        deltas = self.rejected
+        deltas = self.replies
         for out in outs:
             client = self.client_of.get(out.request_id, 0)
             if out.finished:
@@ -245,7 +251,7 @@ class _CoreLoop:
         for i, sock in enumerate(self.outputs):
             msg = StepOutputs(deltas[i], stats, step_s, gap_s, self.results[i])
             sock.send(self.encoder.encode(msg), copy=False)
-        self.rejected = [[] for _ in self.outputs]
+        self.replies = [[] for _ in self.outputs]
         self.results = [[] for _ in self.outputs]
 
 

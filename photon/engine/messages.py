@@ -2,17 +2,19 @@
 
 Front end -> core: `AddRequest` (a request the front end already checked), `Abort` (request ids,
 or child sequence ids of an n > 1 request), `Shutdown`. Core -> front end: one `StepOutputs` per
-engine step with every touched request's delta (new token ids, finish, logprobs) and the engine's
-stats, and `CoreError` last if the core's loop raised. All of it is msgspec-encoded msgpack: plain values and dataclasses, never pickle.
+engine step with every touched request's delta (new token ids, finish, logprobs), the answers to
+adds (refusals, and the acceptance of each request with a LoRA adapter) and the engine's stats,
+and `CoreError` last if the core's loop raised. All of it is msgspec-encoded msgpack: plain values and dataclasses, never pickle.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from photon.engine.engine_core import EngineStats
+from photon.errors import AdapterNotFoundError
 from photon.lora.registry import LoRAAdapters
 from photon.lora.request import LoRARequest
 from photon.outputs import Logprob
@@ -67,7 +69,17 @@ class ChildDelta(msgspec.Struct, array_like=True):
     logprobs: list[dict[int, Logprob]] | None  # without text: the front end decodes it
 
 
+# Why the core refused an AddRequest: its adapter is not served (any more), a ValueError of its
+# checks, anything else.
+Refusal = Literal["model_not_found", "invalid", "internal"]
+
+
 class RequestDelta(msgspec.Struct, array_like=True):
+    """A request's news since the last step. The core also answers each AddRequest of an
+    adapter request at once (the front end awaits it: the core checks the adapter): `accepted`
+    (nothing else in it), or `refused` (finished, with `error`). Other requests are answered
+    only when refused."""
+
     request_id: str
     children: list[ChildDelta]
     finished: bool
@@ -76,6 +88,23 @@ class RequestDelta(msgspec.Struct, array_like=True):
     num_cached_tokens: int | None = None
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's final output
+    accepted: bool = False
+    refused: Refusal | None = None
+
+
+def refusal(e: Exception) -> Refusal:
+    """The kind of the exception the core's add_request raised."""
+    if isinstance(e, AdapterNotFoundError):
+        return "model_not_found"
+    return "invalid" if isinstance(e, ValueError) else "internal"
+
+
+def refusal_error(kind: Refusal, message: str, lora_name: str) -> Exception:
+    """What the front end's add_request raises for the core's refusal (the exception the
+    in-process engine's add_request raises)."""
+    if kind == "model_not_found":
+        return AdapterNotFoundError(lora_name, message)
+    return ValueError(message) if kind == "invalid" else RuntimeError(message)
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):

@@ -107,6 +107,9 @@ class Request:
     # request index (0: none)
     lora_request: LoRARequest | None = None
     lora_slot: int = 0
+    # Requests of resident adapters admitted past it while it waited for a slot (bounded:
+    # photon.lora.slots.SlotGate)
+    lora_overtaken: int = 0
 
     @property
     def block_extra(self) -> tuple[int, ...] | None:

@@ -37,7 +37,7 @@ from photon.engine.kv_cache import KVCacheManager, PrefixMatch
 from photon.engine.logprobs import TokenText
 from photon.engine.remote_kv import RemoteKV
 from photon.engine.request import FinishReason, Request, RequestStatus
-from photon.lora.slots import LoRASlotPool
+from photon.lora.slots import LoRASlotPool, SlotGate
 from photon.spec.adaptive import SpecPolicy
 from photon.structured.backend import GrammarError
 
@@ -303,17 +303,23 @@ class Scheduler:
         return False
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            req = self.waiting[0]
+        """Admit waiting requests in queue order (preempted ones wait at its head) while the
+        budget, the batch and the KV cache allow. A request whose adapter finds no slot is
+        skipped (SlotGate): it keeps its place, and those behind it that can run go on."""
+        waiting, skipped = self.waiting, []
+        gate = SlotGate(self.lora, self.config.max_num_seqs) if self.lora is not None else None
+        while waiting and budget > 0 and len(self.running) < self.max_running:
+            req = waiting[0]
             if req.inflight_refs > 0:
                 break  # a preempted request whose last step is still in flight (FCFS: wait)
+            if req.lora_request is not None and not gate.admits(req):
+                skipped.append(waiting.popleft())  # before its prefix match: skipping is cheap
+                continue
             prefix, start = self._admission_prefix(req)
             if start < 0:
                 if start == -1:
                     break
                 continue  # it waits for its KV cache from a prefill instance
-            if req.lora_request is not None and not self.lora.can_acquire(req.lora_request):
-                break  # it waits until a slot's requests are released (FCFS)
             num_new = min(req.num_known_tokens - start, budget)
             end = self._row_reserve(req, start + num_new, req.num_known_tokens)
             if not self.kv.allocate(req.key, end, prefix, req.block_extra):
@@ -330,6 +336,9 @@ class Scheduler:
             self.running.append(req)
             self._add_row(req, num_new, out)
             budget -= num_new
+            if req.lora_request is not None:
+                gate.admitted(req)
+        waiting.extendleft(reversed(skipped))  # in their places, ahead of those not reached
 
     def _admission_prefix(self, req: Request) -> tuple[PrefixMatch, int]:
         """The waiting head's prefix-cache hit and first position to compute; -1: no blocks for

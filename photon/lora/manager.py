@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from photon.errors import AdapterNotFoundError
 from photon.lora.registry import LoRAAdapters, LoRARegistry
 from photon.lora.request import LoRARequest
 
@@ -57,8 +58,8 @@ class EngineLoRA:
             raise ValueError("lora_request: this engine was started without enable_lora "
                              "(--enable-lora)")
         if lora.lora_int_id in self.retired:
-            raise ValueError(f"lora_request: the LoRA adapter {lora.lora_name!r} (id "
-                             f"{lora.lora_int_id}) was unloaded")
+            raise AdapterNotFoundError(lora.lora_name, f"lora_request: the LoRA adapter "
+                                       f"{lora.lora_name!r} (id {lora.lora_int_id}) was unloaded")
         known = self._known.get(lora.lora_int_id)
         if known is not None and known != lora:
             raise ValueError(f"lora_request: lora_int_id {lora.lora_int_id} already names "

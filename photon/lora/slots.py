@@ -6,15 +6,20 @@ is taken) and drops it when that index is released: for a finished, aborted or p
 only once its in-flight count reached zero (the zombie path that releases its KV blocks), so no
 step in flight ever reads a slot that is being reloaded. A slot whose references reach zero keeps
 its adapter (idle, found again by the next request for it) until a new adapter needs a slot:
-then the least recently used idle one is reloaded. An adapter that finds no slot waits.
+then the least recently used idle one is reloaded. An adapter that finds no slot waits
+(`SlotGate`: the requests behind it that can run go first).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from photon.core.step import LoRALoad
 from photon.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    from photon.engine.request import Request
 
 
 class LoRASlotPool:
@@ -38,6 +43,10 @@ class LoRASlotPool:
 
     def refcount(self, slot: int) -> int:
         return self._refs[slot]
+
+    def holds(self, lora_int_id: int) -> bool:
+        """Whether the adapter is in a slot (referenced or idle)."""
+        return lora_int_id in self._slot_of
 
     def can_acquire(self, lora: LoRARequest) -> bool:
         return lora.lora_int_id in self._slot_of or bool(self._empty or self._idle)
@@ -90,3 +99,51 @@ class LoRASlotPool:
             assert (self._refs[slot] == 0) == (slot in self._idle)
         assert all(self._adapter[s] == 0 and self._refs[s] == 0 for s in self._empty)
         assert len(self._slot_of) + len(self._empty) == self.max_loras
+
+
+class SlotGate:
+    """One admission pass's LoRA check (the scheduler walks the waiting queue in order): whether
+    a waiting request's adapter can have a slot now. A request refused here is skipped: it keeps
+    its place in the queue and the requests behind it that can run are admitted (the base model,
+    adapters in a slot, adapters that find one), as vLLM does.
+
+    - Slots free only when a request is released (at commit, or a preemption before admission),
+      never during an admission pass, and admitting only takes slots. So once one adapter that
+      is not in a slot finds none, none does for the rest of the pass (`full`): later requests
+      of such adapters are skipped without looking at the pool again.
+    - The first request skipped for a slot in a pass (`first`) is the oldest one waiting for a
+      slot. The pass goes in queue order, so when a slot frees, `first` is the first request to
+      take it: no later request of another adapter not in a slot gets it before.
+    - Requests of adapters already in a slot may overtake `first` (they need no new slot), but
+      at most `limit` of them in all, counted on `first` across passes: past that they are
+      skipped too, the slots drain as their running requests finish, and `first` gets one. Without
+      the bound a steady stream of one resident adapter's requests would keep its slot
+      referenced, and `first` would wait forever.
+    """
+
+    __slots__ = ("pool", "limit", "full", "first")
+
+    def __init__(self, pool: LoRASlotPool, limit: int) -> None:
+        self.pool = pool
+        self.limit = limit
+        self.full = False  # an adapter not in a slot found none: none will in this pass
+        self.first: Request | None = None  # the first request skipped for a slot
+
+    def admits(self, req: Request) -> bool:
+        """Whether `req` (with an adapter) may be admitted now; False: skip it."""
+        lora = req.lora_request
+        if self.pool.holds(lora.lora_int_id):
+            return self.first is None or self.first.lora_overtaken < self.limit
+        if not self.full and self.pool.can_acquire(lora):
+            return True
+        self.full = True
+        if self.first is None:
+            self.first = req
+        return False
+
+    def admitted(self, req: Request) -> None:
+        """`req` (with an adapter) was admitted: one more overtake of the oldest skipped one
+        (if any); its own count starts again (it may wait again after a preemption)."""
+        req.lora_overtaken = 0
+        if self.first is not None:
+            self.first.lora_overtaken += 1

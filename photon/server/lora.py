@@ -6,8 +6,8 @@ of `photon serve --api-server-count N` sees every load and unload. Each API serv
 it (`AdapterNames`) and asks the core again when the copy may be out of date: for a name it does
 not know (loaded through another API server) and when the core's stats carry a newer registry
 version (an unload through another API server). A request that races an unload made through
-another API server is refused by the core (its id was unloaded): its choices end with
-finish_reason "abort".
+another API server is refused by the core (its id was unloaded): the engine's add_request raises
+AdapterNotFoundError, and the request gets the same 404 as any unknown model, streamed or not.
 """
 
 from __future__ import annotations

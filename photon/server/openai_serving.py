@@ -19,13 +19,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from photon.engine.async_engine import AsyncEngine, RequestSink
+from photon.errors import AdapterNotFoundError
 from photon.lora.request import LoRARequest
 from photon.outputs import Logprob, RequestOutput, SampleLogprobs
 from photon.sampling_params import SamplingParams
 from photon.server.admission import Admission, Ticket
 from photon.server.defaults import unset_defaults
 from photon.server.errors import APIError, bad_request, invalid_value
-from photon.server.lora import AdapterNames
+from photon.server.lora import AdapterNames, model_not_found
 from photon.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -271,6 +272,8 @@ class Serving:
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             run.abort_unfinished()
+            if isinstance(errors[0], AdapterNotFoundError):  # unloaded since the model resolved
+                raise model_not_found(model) from None
             if isinstance(errors[0], ValueError):
                 raise invalid_value(errors[0], default="prompt") from None
             raise errors[0]
