@@ -1,10 +1,11 @@
 """Scheduler: owns the request queues and every request counter.
 
 plan() builds the next step's batch assuming every running request continues (its newest token may
-still be on the device: a placeholder the model runner reads from the token pool). commit() applies
-one step's committed tokens: appends them, runs stop checks, finishes requests that stopped, and drops
-the step's in-flight references, releasing what finished or preempted requests hold (KV blocks,
-their request index) once they reach zero. Admitted requests get a request index; the plan tells
+still be on the device: a placeholder the model runner reads from the token pool). commit() (the
+base class photon.engine.scheduler_commit.SchedulerCommit) applies one step's committed tokens:
+appends them, runs stop checks, finishes requests that stopped, and drops the step's in-flight
+references, releasing what finished or preempted requests hold (KV blocks, their request index)
+once they reach zero. Admitted requests get a request index; the plan tells
 the runner which indices enter and leave its table (photon.core.step).
 
 Speculative requests (`spec_k` K > 0, fixed at `add`) decode with speculative rows
@@ -25,18 +26,16 @@ from dataclasses import dataclass, field
 
 from photon.config import SchedulerConfig
 from photon.core.step import (
-    CommittedToken,
     NewRequest,
-    PromptScores,
     ScheduledRow,
     StepPlan,
     request_table_size,
 )
-from photon.engine.append import append_prompt_scores, append_token, check_stop
 from photon.engine.kv_cache import KVCacheManager, PrefixMatch
 from photon.engine.logprobs import TokenText
 from photon.engine.remote_kv import RemoteKV
 from photon.engine.request import FinishReason, Request, RequestStatus
+from photon.engine.scheduler_commit import SchedulerCommit
 from photon.lora.slots import LoRASlotPool, SlotGate
 from photon.spec.adaptive import SpecPolicy
 from photon.structured.backend import GrammarError
@@ -60,16 +59,7 @@ def speculates(req: Request) -> bool:
     return req.grammar is None
 
 
-def _measures_k_eff(step: SchedulerOutput) -> bool:
-    """A decode step whose time is a step time of its K_eff: every row queries one token or
-    verifies drafts, and every speculative request's row verifies the step's K_eff (not a plain
-    row of a step with K_eff > 0, which proposes drafts it did not verify)."""
-    k = step.spec_k
-    return all(r.num_tokens == r.spec + 1 and (r.spec == k or not q.spec_k)
-               for r, q in zip(step.plan.rows, step.requests))
-
-
-class Scheduler:
+class Scheduler(SchedulerCommit):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  token_text: TokenText | None = None, spec_k: int = 0,
                  max_model_len: int = 1 << 30, draft_lookahead: int = 0) -> None:
@@ -162,11 +152,6 @@ class Scheduler:
         """Request indices were released, or KV transfers planned, since the last plan (the
         runner learns of them from the next one)."""
         return bool(self._released) or (self.remote is not None and self.remote.has_planned)
-
-    def request_at(self, req_index: int) -> Request:
-        req = self.by_index[req_index]
-        assert req is not None, f"no request holds index {req_index}"
-        return req
 
     def releases_only(self) -> SchedulerOutput:
         """A plan without rows that hands the runner the indices released since the last plan."""
@@ -418,130 +403,3 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         self._maybe_release(req)
-
-    # ---- commit -------------------------------------------------------------------------------
-    def commit(self, step: SchedulerOutput, tokens: list[list[CommittedToken]],
-               grammar_ended: frozenset[int] = frozenset()) -> list[Request]:
-        """Apply one step's results: per row its committed tokens (`grammar_ended`: request
-        indices whose grammar took its stop token); return the requests that got a token or were
-        finished."""
-        touched: list[Request] = []
-        for row, req, toks in zip(step.plan.rows, step.requests, tokens):
-            if row.sample:
-                req.num_pending -= 1
-                req.num_pending_max -= row.spec + 1
-                if not req.finished and toks:
-                    self._append_all(req, row, toks, row.req_index in grammar_ended)
-                    touched.append(req)
-            req.inflight_refs -= 1
-            if req.status is RequestStatus.RUNNING:
-                self._after_commit(req)
-            elif req.inflight_refs == 0:
-                self._maybe_release(req)  # only preempted or finished requests release
-        if self.spec_policy is not None and step.plan.rows:
-            self.spec_policy.committed(step.plan.step, len(step.plan.rows), step.spec_k,
-                                       _measures_k_eff(step))
-        return touched
-
-    def _append_all(self, req: Request, row: ScheduledRow, toks: list[CommittedToken],
-                    grammar_ended: bool) -> None:
-        """Append a row's tokens one by one with the stop checks; those after a stop are
-        dropped. A speculative row's accepted drafts had their K/V computed by it."""
-        if row.speculative and req.status is RequestStatus.RUNNING:
-            req.num_computed_tokens += len(toks) - 1
-        for tok in toks:
-            self._append(req, tok, grammar_ended)
-            if req.finished:
-                break
-
-    def _after_commit(self, req: Request) -> None:
-        """Publish the committed, computed blocks; return the KV reserved past the new bound."""
-        committed = req.num_committed_tokens
-        known = min(req.num_computed_tokens, committed)
-        if self.kv.needs_publish(req.key, known):
-            self.kv.cache_blocks(req.key, req.all_token_ids, known)
-        if req.spec_k and req.spec_live:
-            bound = self._spec_reserve(req, committed + req.num_pending_max)
-            self.kv.shrink(req.key, max(bound, req.num_computed_tokens))
-
-    def add_prompt_logprobs(self, scores: list[PromptScores]) -> None:
-        for s in scores:
-            req = self.request_at(s.req_index)  # held: the scored step is not committed yet
-            if req.prompt_logprobs is not None:
-                append_prompt_scores(req, s, self._text_for(req))
-
-    def _text_for(self, req: Request) -> TokenText | None:
-        return self.token_text if req.params.detokenize else None
-
-    def _append(self, req: Request, tok: CommittedToken, grammar_ended: bool) -> None:
-        stop_str = append_token(req, tok, self._text_for(req))
-        reason = FinishReason.STOP if grammar_ended else check_stop(req, tok.token_id, stop_str)
-        if reason is not None:
-            self.finish(req, reason)
-
-    def reject_grammars(self, requests: list[Request]) -> None:
-        """Their matchers refused the token commit appended. The mask makes that impossible, so
-        it is an engine bug: the request ends (ABORT, with `error`) instead of the engine."""
-        for req in requests:
-            self.fail(req, f"internal error: the grammar rejected sampled token "
-                           f"{req.output_token_ids[-1]}")
-
-    def fail(self, req: Request, error: str) -> None:
-        """End `req` with ABORT and `error`, also when it was already finished (its output must
-        not look complete); the other requests go on."""
-        req.error = error
-        if req.finished:
-            req.finish_reason = FinishReason.ABORT
-        else:
-            self.finish(req, FinishReason.ABORT)
-
-    def fail_grammars(self, error: str) -> list[Request]:
-        """The grammar executor failed (its worker died): no matcher state is left, so every
-        unfinished request with a grammar ends (ABORT, with `error`); the others go on."""
-        failed = [r for r in (*self.running, *self.waiting) if r.grammar is not None]
-        for req in failed:
-            req.error = error
-            self.finish(req, FinishReason.ABORT)
-        return failed
-
-    def finish(self, req: Request, reason: FinishReason) -> None:
-        """The request's output is final now; its rows still in flight become zombies."""
-        req.finished = True
-        req.finish_reason = reason
-        if self.remote is not None:
-            computed = reason is not FinishReason.ABORT and req.output_token_ids != []
-            self.remote.request_finished(req, computed)
-        if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-        elif req.status is RequestStatus.WAITING_FOR_GRAMMAR:
-            self.grammar_waiting.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        req.status = RequestStatus.FINISHED
-        self._maybe_release(req)
-
-    def _maybe_release(self, req: Request) -> None:
-        """Invariant: KV blocks, the request index and its LoRA slot are released only when
-        nothing in flight reads them. A preempted request may already be released when it is finished (aborted
-        while waiting): then only its bookkeeping entry goes."""
-        if req.inflight_refs > 0:
-            return
-        if req.status not in (RequestStatus.PREEMPTED, RequestStatus.FINISHED):
-            return
-        if req.req_index is not None:
-            if self.remote is None or not self.remote.hold_blocks(req):
-                self.kv.free(req.key)
-            self.by_index[req.req_index] = None
-            self.free_indices.append(req.req_index)
-            self._released.append(req.req_index)
-            req.req_index = None
-            if req.lora_slot:  # held with the index: no step in flight reads it now
-                self.lora.release(req.lora_slot)
-                req.lora_slot = 0
-        elif req.kv_loaded:  # finished while its loaded blocks waited for admission
-            self.kv.free(req.key)
-            req.kv_loaded = False
-        if req.finished:
-            self.requests.pop(req.key, None)
-            if req.grammar is not None:
-                req.grammar.release()
