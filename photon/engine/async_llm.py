@@ -48,6 +48,7 @@ from photon.engine.messages import (
     StepOutputs,
     Utility,
     UtilityResult,
+    Wake,
 )
 from photon.engine.output_processor import OutputProcessor
 from photon.engine.request_checks import RequestChecks
@@ -206,6 +207,8 @@ class AsyncLLM(StreamsRequests):
         _send(client, AddRequest(core_id, prompt_ids, params, arrival,
                                  kv_transfer_params=kv_transfer_params,
                                  lora_request=lora_request))
+        for other in self.cores.others(client):  # lockstep cores join the request's steps
+            _send(other, Wake())
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; unknown or finished ids are ignored)."""
