@@ -163,7 +163,9 @@ class EngineArgs:
     data_parallel_size: int = field(default=1, metadata={**_help(
         "Data parallelism (photon serve): run this many engine cores, each with its own "
         "scheduler, KV cache and --tensor-parallel-size ranks; the server sends each new "
-        "request to the core with the fewest open requests."),
+        "request to the core with the fewest open requests. With --enable-expert-parallel on "
+        "a mixture-of-experts model the experts are partitioned over the cores, which then "
+        "step together."),
         "aliases": ("-dp",)})
     speculative_config: str | dict[str, Any] | SpeculativeConfig | None = field(
         default=None, metadata=_help(

@@ -152,6 +152,8 @@ def test_killed_core_fails_the_other(pair: tuple[AsyncEngine, AsyncLLM],
     assert procs[0].returncode == 1
     assert "ExpertParallelError" in caplog.text and "did not answer within" in caplog.text
     assert engine.dead.wait(10) and not engine.healthy
+    engine.shutdown()
+    assert all(p.returncode is not None for p in procs)  # both reaped
 
 
 # ---- without processes ------------------------------------------------------------------------

@@ -88,10 +88,14 @@ class DPExperts:
         """Join as core `data_parallel_rank` (blocks until every core joined, or times out)."""
         spec = TPGroupSpec(parallel.data_parallel_master_ip, parallel.data_parallel_master_port,
                            parallel.data_parallel_size, parallel.collective_timeout_s, device)
-        experts = cls(TPGroup(parallel.data_parallel_rank, spec.size), spec.timeout_s)
-        group = experts._guard(lambda: TPGroup.join(spec, parallel.data_parallel_rank))
-        experts.group = group
-        return experts
+        rank = parallel.data_parallel_rank
+        try:
+            return cls(TPGroup.join(spec, rank), spec.timeout_s)
+        except RuntimeError as e:
+            raise ExpertParallelError(
+                f"engine core {rank} could not join the expert-parallel group of the "
+                f"{spec.size} data-parallel cores within {spec.timeout_s:g} s (a core failed to "
+                f"start?): {type(e).__name__}: {e}") from e
 
     @property
     def rank(self) -> int:
