@@ -236,3 +236,9 @@ def test_config_errors(model_path: str, kwargs: dict[str, Any], message: str) ->
             **kwargs}
     with pytest.raises(ConfigError, match=message):
         EngineArgs(**args).create_config()
+
+
+def test_dense_model_refused() -> None:
+    with pytest.raises(ConfigError, match="ForCausalLM has no experts"):
+        EngineArgs(model="photon-tiny-random", data_parallel_size=2,
+                   enable_expert_parallel=True).create_config()

@@ -57,18 +57,16 @@ class CoreGroup:
         store = None
         if config.parallel.experts_span_cores:
             store, config = bind_expert_store(config)
-        group = cls([], store is not None, store)
+        clients: list[CoreClient] = []
         try:
             for rank in range(size):
-                group.clients.append(CoreClient.start(with_rank(config, rank),
-                                                      core_env(config, rank)))
-            for client in group.clients:
+                clients.append(CoreClient.start(with_rank(config, rank), core_env(config, rank)))
+            for client in clients:
                 client.wait_ready()
         except BaseException:
-            group.close()
+            cls(clients, store is not None, store).close()
             raise
-        group._load = [0] * size
-        return group
+        return cls(clients, store is not None, store)
 
     @property
     def loads(self) -> list[int]:

@@ -6,8 +6,9 @@ message with every touched request's delta: no HTTP, no detokenization, no JSON.
 blocks on the input socket (waking every second to notice a dead parent: the core never outlives
 its front end). SIGTERM and SIGINT end the loop between steps; the front end stops it with a
 `Shutdown` message. Cores whose MoE experts span the data-parallel cores step in lockstep
-instead (photon.engine.lockstep: the same loop, in rounds agreed with the other cores). If the loop raises, the core sends every front end a `CoreError` with the
-exception's type and message, then exits with the error (its traceback goes to stderr).
+instead (photon.engine.lockstep: the same loop, in rounds agreed with the other cores). If the
+loop raises, the core sends every front end a `CoreError` with the exception's type and message,
+then exits with the error (its traceback goes to stderr).
 
 For tests of that path, `PHOTON_TEST_CORE_FAULT_STEP=N` (read when the core starts) makes the
 core's N-th step (counting from 1) raise `RuntimeError`.
