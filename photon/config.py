@@ -140,7 +140,9 @@ TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen
 class ParallelConfig:
     """--tensor-parallel-size: ranks, one process each (rank 0 in the engine core's process);
     --enable-expert-parallel: an MoE model's experts are partitioned over those ranks;
-    --data-parallel-size: engine cores behind one front end (each with its own TP ranks)."""
+    --data-parallel-size: engine cores behind one front end (each with its own TP ranks). With
+    both of the last two the experts are partitioned over the data-parallel cores instead
+    (`experts_span_cores`: data-parallel attention, expert-parallel MoE layers)."""
 
     tensor_parallel_size: int = 1
     # A collective waiting longer than this for a rank ends the engine (a rank died or hangs).
@@ -149,6 +151,10 @@ class ParallelConfig:
     data_parallel_size: int = 1
     # This engine core's rank among the data_parallel_size cores (set per core when spawned).
     data_parallel_rank: int = 0
+    # The rendezvous (a TCPStore the front end bound on a free port) of the expert-parallel
+    # group that spans the cores; set by the front end when the experts span the cores.
+    data_parallel_master_ip: str = "127.0.0.1"
+    data_parallel_master_port: int = 0
 
     def __post_init__(self) -> None:
         check_positive("tensor_parallel_size", self.tensor_parallel_size)
@@ -159,6 +165,12 @@ class ParallelConfig:
         if not self.collective_timeout_s > 0:
             raise ConfigError(f"collective timeout must be > 0 seconds, "
                               f"got {self.collective_timeout_s!r}")
+
+    @property
+    def experts_span_cores(self) -> bool:
+        """An MoE model's experts are partitioned over the data-parallel cores, which then step
+        in lockstep (photon.engine.lockstep)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
     def check_model(self, architecture: str, hf_config: dict[str, Any]) -> None:
         """The model has a tensor-parallel layout and its heads and widths split evenly over the
@@ -192,6 +204,24 @@ class ParallelConfig:
         if self.enable_expert_parallel and architecture not in MOE_ARCHITECTURES:
             raise ConfigError(f"{flag('enable_expert_parallel')}: {architecture} has no experts; "
                               f"expert parallelism applies to {', '.join(MOE_ARCHITECTURES)}")
+
+    def check_experts_span_cores(self, architecture: str, hf_config: dict[str, Any]) -> None:
+        """--data-parallel-size N --enable-expert-parallel: one rank per core (attention
+        tp = 1) and at least one expert per core."""
+        if not self.experts_span_cores:
+            return
+        dp = self.data_parallel_size
+        if self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"{flag('data_parallel_size')}={dp} with {flag('enable_expert_parallel')}: the "
+                f"experts are partitioned over the data-parallel cores, each with one rank; "
+                f"{flag('tensor_parallel_size')}={self.tensor_parallel_size} is not supported "
+                f"with it yet (use 1)")
+        experts_field = MOE_ARCHITECTURES[architecture][0]
+        experts = int(hf_config.get(experts_field) or hf_config.get("num_local_experts") or 0)
+        if experts < dp:
+            raise ConfigError(f"{flag('data_parallel_size')}={dp} with expert parallelism: the "
+                              f"model has {experts_field}={experts}, fewer experts than cores")
 
     def _check_experts(self, architecture: str, hf_config: dict[str, Any]) -> None:
         """With expert parallelism every rank holds at least one expert; without it, each
@@ -228,6 +258,24 @@ class EngineConfig:
     kv_events_config: KVEventsConfig | None = None  # None: no KV cache events
     kv_transfer_config: KVTransferConfig | None = None  # None: no prefill/decode disaggregation
     lora_config: LoRAConfig | None = None  # None: no LoRA adapters (--enable-lora off)
+
+    def __post_init__(self) -> None:
+        if self.parallel.experts_span_cores:
+            self._check_lockstep_features()
+
+    def _check_lockstep_features(self) -> None:
+        """The features whose extra forwards or per-forward state the lockstep cores'
+        dummy steps do not reproduce yet (ConfigError naming the first one set)."""
+        unsupported = [("speculative_config", self.speculative_config is not None),
+                       ("enable_lora", self.lora_config is not None),
+                       ("kv_transfer_config", self.kv_transfer_config is not None),
+                       ("calculate_kv_scales", self.cache.calculate_kv_scales)]
+        for name, given in unsupported:
+            if given:
+                raise ConfigError(
+                    f"{flag(name)} is not supported with {flag('data_parallel_size')} > 1 and "
+                    f"{flag('enable_expert_parallel')} (experts spanning the data-parallel "
+                    f"cores) yet")
 
     @property
     def pipeline_depth(self) -> int:

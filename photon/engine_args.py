@@ -157,11 +157,15 @@ class EngineArgs:
     enable_expert_parallel: bool = field(default=False, metadata=_help(
         "Mixture-of-experts models under tensor parallelism: partition the experts over the "
         "ranks (each rank holds and loads E/N whole experts) instead of splitting every "
-        "expert's intermediate dimension; attention stays tensor parallel."))
+        "expert's intermediate dimension; attention stays tensor parallel. With "
+        "--data-parallel-size N (and tensor parallel size 1) the experts are partitioned over "
+        "the N engine cores instead: data-parallel attention, expert-parallel MoE layers."))
     data_parallel_size: int = field(default=1, metadata={**_help(
         "Data parallelism (photon serve): run this many engine cores, each with its own "
         "scheduler, KV cache and --tensor-parallel-size ranks; the server sends each new "
-        "request to the core with the fewest open requests."),
+        "request to the core with the fewest open requests. With --enable-expert-parallel on "
+        "a mixture-of-experts model the experts are partitioned over the cores, which then "
+        "step together."),
         "aliases": ("-dp",)})
     speculative_config: str | dict[str, Any] | SpeculativeConfig | None = field(
         default=None, metadata=_help(
@@ -369,6 +373,7 @@ def _parallel_config(parallel: ParallelConfig, architecture: str,
                      hf_config: dict[str, Any]) -> ParallelConfig:
     parallel.check_expert_parallel(architecture)
     parallel.check_model(architecture, hf_config)
+    parallel.check_experts_span_cores(architecture, hf_config)
     return parallel
 
 

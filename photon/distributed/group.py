@@ -6,6 +6,9 @@ construction: no process-wide default group is created, so one process may build
 one after the other. Every collective has the group's timeout, so a rank that died or hangs makes
 the others fail within it instead of blocking forever.
 
+The expert-parallel group that spans data-parallel engine cores (photon.distributed.dp_experts)
+is a `TPGroup` too, joined the same way (its store is bound by the front end).
+
 Two process groups share the store: `device` carries the model's collectives (NCCL on CUDA, gloo
 on CPU) and `cpu` (always gloo) carries the step plans as bytes. On CPU they are the same group.
 """
@@ -91,12 +94,33 @@ class TPGroup:
         self._device_pg.allgather([parts], [t]).wait()
         return torch.cat(parts, dim=dim)
 
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` [size * n, ...] over the ranks; this rank's rows [rank * n, (rank + 1) * n)
+        of the sum."""
+        if self.size == 1:
+            return t
+        t = t.contiguous()
+        out = torch.empty((t.shape[0] // self.size, *t.shape[1:]), dtype=t.dtype,
+                          device=t.device)
+        self._device_pg._reduce_scatter_base(out, t).wait()
+        return out
+
+    def max_ints(self, values: list[int]) -> list[int]:
+        """Element-wise max of the ranks' `values` (one host all-reduce on the CPU group)."""
+        if self.size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self._cpu_pg.allreduce([t], opts).wait()
+        return [int(v) for v in t.tolist()]
+
     def min_int(self, value: int) -> int:
         """The least of the ranks' `value` (e.g. the KV blocks every rank can hold)."""
         return self._reduce_int(value, dist.ReduceOp.MIN)
 
     def max_int(self, value: int) -> int:
-        return self._reduce_int(value, dist.ReduceOp.MAX)
+        return self.max_ints([value])[0]
 
     def _reduce_int(self, value: int, op: dist.ReduceOp) -> int:
         if self.size == 1:

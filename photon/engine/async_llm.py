@@ -50,6 +50,7 @@ from photon.engine.messages import (
     Utility,
     UtilityResult,
     refusal_error,
+    Wake,
 )
 from photon.engine.output_processor import OutputProcessor
 from photon.engine.request_checks import RequestChecks
@@ -214,6 +215,8 @@ class AsyncLLM(StreamsRequests):
         _send(client, AddRequest(core_id, prompt_ids, params, arrival,
                                  kv_transfer_params=kv_transfer_params,
                                  lora_request=lora_request))
+        for other in self.cores.others(client):  # lockstep cores join the request's steps
+            _send(other, Wake())
         if answer is not None:
             try:
                 await asyncio.wrap_future(answer.future)

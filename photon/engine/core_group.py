@@ -7,9 +7,15 @@ least load: the requests the front end sent there whose final output it has not 
 each live request's core, so aborts (of a request, or of one of the children of an n > 1
 request: they all run on their parent's core) go there.
 
-The cores never talk to each other: nothing needs them to step together while no model runs
-collectives across them (an expert-parallel MoE whose experts span data-parallel ranks would:
-its idle ranks would have to run dummy steps; photon has no such layout yet).
+Without expert parallelism the cores never talk to each other: nothing needs them to step
+together. With `--enable-expert-parallel` on an MoE model the experts span the cores
+(photon.distributed.dp_experts: data-parallel attention, expert-parallel MoE layers) and the cores
+step in lockstep (photon.engine.lockstep), a core without work running dummy steps. Their group
+meets at a TCPStore this front end binds on a free port of the loopback address before it starts
+the cores (the address travels in each core's config); the store lives until `close`. Every
+`AddRequest` to one such core comes with a `Wake` to every other core (`others`), so that idle
+cores join the steps of the one that got the request; `close` sends every core its `Shutdown`
+before it waits for any, as the cores stop together.
 
 On CUDA core i sees GPUs i*tp .. i*tp+tp-1 of this process's visible devices
 (CUDA_VISIBLE_DEVICES), so that its ranks number them from 0 as a single core does.
@@ -19,10 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 from photon.config import ConfigError, EngineConfig
-from photon.engine.core_client import CoreClient
+from photon.engine.core_client import CoreClient, CoreGoneError
 from photon.engine.engine_core import EngineStats
+from photon.engine.messages import Shutdown
 from photon.kv_transfer.metadata import KVTransferStats
 from photon.lora.manager import LoRAStats
 from photon.spec.stats import SpecDecodingStats
@@ -32,8 +40,11 @@ class CoreGroup:
     """The cores and which of them owns each live request. Not thread-safe: the front end
     calls `assign`, `release` and `clear` under its own lock."""
 
-    def __init__(self, clients: list[CoreClient]) -> None:
+    def __init__(self, clients: list[CoreClient], lockstep: bool = False,
+                 store: Any = None) -> None:
         self.clients = clients
+        self.lockstep = lockstep  # the cores step together (experts span them)
+        self._store = store  # the lockstep cores' rendezvous, kept alive while they run
         self._owner: dict[str, int] = {}  # the core's request id -> index of its core
         self._load = [0] * len(clients)  # live requests per core
 
@@ -43,6 +54,9 @@ class CoreGroup:
         size = config.parallel.data_parallel_size
         if size == 1:
             return cls([CoreClient.spawn(config)])
+        store = None
+        if config.parallel.experts_span_cores:
+            store, config = bind_expert_store(config)
         clients: list[CoreClient] = []
         try:
             for rank in range(size):
@@ -50,10 +64,9 @@ class CoreGroup:
             for client in clients:
                 client.wait_ready()
         except BaseException:
-            for client in clients:
-                client.close()
+            cls(clients, store is not None, store).close()
             raise
-        return cls(clients)
+        return cls(clients, store is not None, store)
 
     @property
     def loads(self) -> list[int]:
@@ -87,9 +100,34 @@ class CoreGroup:
     def first_dead(self) -> CoreClient | None:
         return next((client for client in self.clients if not client.alive), None)
 
+    def others(self, client: CoreClient) -> list[CoreClient]:
+        """The lockstep cores to wake when `client`'s core is sent a request (none otherwise)."""
+        return [c for c in self.clients if c is not client] if self.lockstep else []
+
     def close(self) -> None:
+        if self.lockstep:  # every core is told before any is waited for: they stop together
+            for client in self.clients:
+                try:
+                    if client.alive:
+                        client.send(Shutdown(), block=False)
+                except CoreGoneError:
+                    pass
         for client in self.clients:
             client.close()
+        self._store = None
+
+
+def bind_expert_store(config: EngineConfig) -> tuple[Any, EngineConfig]:
+    """The lockstep cores' rendezvous: a TCPStore on a free loopback port, and the config that
+    names it to the cores."""
+    from photon.distributed.group import bind_store
+
+    parallel = config.parallel
+    host = "127.0.0.1"
+    store = bind_store(host, parallel.data_parallel_size, parallel.collective_timeout_s)
+    named = dataclasses.replace(parallel, data_parallel_master_ip=host,
+                                data_parallel_master_port=store.port)
+    return store, dataclasses.replace(config, parallel=named)
 
 
 def visible_devices_for(visible: list[str], tp: int, dp: int, rank: int) -> str:

@@ -5,8 +5,10 @@ the input socket (requests, aborts), runs one `EngineCore.step()` and sends one 
 message with every touched request's delta: no HTTP, no detokenization, no JSON. With no work it
 blocks on the input socket (waking every second to notice a dead parent: the core never outlives
 its front end). SIGTERM and SIGINT end the loop between steps; the front end stops it with a
-`Shutdown` message. If the loop raises, the core sends every front end a `CoreError` with the
-exception's type and message, then exits with the error (its traceback goes to stderr).
+`Shutdown` message. Cores whose MoE experts span the data-parallel cores step in lockstep
+instead (photon.engine.lockstep: the same loop, in rounds agreed with the other cores). If the
+loop raises, the core sends every front end a `CoreError` with the exception's type and message,
+then exits with the error (its traceback goes to stderr).
 
 For tests of that path, `PHOTON_TEST_CORE_FAULT_STEP=N` (read when the core starts) makes the
 core's N-th step (counting from 1) raise `RuntimeError`.
@@ -28,6 +30,7 @@ import zmq
 
 from photon.config import EngineConfig
 from photon.engine.engine_core import EngineCore
+from photon.engine.lockstep import Lockstep
 from photon.engine.messages import (
     Abort,
     AddRequest,
@@ -42,6 +45,7 @@ from photon.engine.messages import (
     Utility,
     UtilityResult,
     refusal,
+    Wake,
 )
 from photon.lora.registry import LoRAAdapters
 from photon.outputs import RequestOutput
@@ -165,8 +169,16 @@ class _CoreLoop:
         self.replies: list[list[RequestDelta]] = [[] for _ in outputs]
         self.results: list[list[UtilityResult]] = [[] for _ in outputs]
         self.paused = False  # no step runs while paused (inputs are still applied)
+        # Lockstep cores (photon.engine.lockstep): the wake-ups seen, and a Shutdown received.
+        self.wakeups = 0
+        self.stopping = False
+        experts = core.dp_experts
+        self.lockstep = None if experts is None else Lockstep(experts, core.runner)
 
     def run(self) -> None:
+        if self.lockstep is not None:
+            self._run_lockstep(self.lockstep)
+            return
         last_end: float | None = None
         while not self.stop["now"] and os.getppid() == self.parent:
             busy = self.core.has_work() and not self.paused
@@ -182,6 +194,26 @@ class _CoreLoop:
             gap = start - last_end if last_end is not None else None
             self._send(outs, end - start, gap)
             last_end = end if self.core.has_unfinished() else None
+
+    def _run_lockstep(self, lock: Lockstep) -> None:
+        """Rounds agreed with the other cores: one forward each (a dummy one without work) while
+        any core has work; idle on the inputs together otherwise."""
+        while not self.stop["now"] and os.getppid() == self.parent:
+            ready = self._receive(block=False)
+            while ready and lock.must_wait(self.wakeups):
+                ready = self._receive(block=True)
+            if not ready and not self.stopping:
+                return  # a signal, or the front end is gone: leave at once
+            has_work = self.core.has_work() and not self.paused and not self.stopping
+            agreed = lock.agree(has_work, self.wakeups, self.stopping)
+            if agreed.stop:
+                return
+            if not agreed.any_work:
+                self._send([], None, None)  # rejected adds, utility results, gauges
+                continue
+            start = time.monotonic()
+            outs = lock.step(self._step if has_work else list)
+            self._send(outs, time.monotonic() - start, None)
 
     def _step(self) -> list[RequestOutput]:
         self.num_steps += 1
@@ -205,6 +237,8 @@ class _CoreLoop:
                 return False
 
     def _apply(self, msg: CoreInput) -> bool:
+        if isinstance(msg, (AddRequest, Utility, Wake, Shutdown)):
+            self.wakeups += 1  # the messages every core gets in equal number (lockstep)
         if isinstance(msg, AddRequest):
             try:
                 self.core.add_request(msg.prompt_token_ids, msg.params, msg.request_id,
@@ -224,6 +258,7 @@ class _CoreLoop:
         elif isinstance(msg, Utility):
             self.results[msg.client].append(self._utility(msg))
         elif isinstance(msg, Shutdown):
+            self.stopping = True
             return False
         return True
 

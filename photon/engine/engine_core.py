@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from photon.config import EngineConfig
 from photon.core.sampling import derive_key, pack_sampling
 from photon.core.step import request_table_size
+from photon.distributed.dp_experts import join_dp_experts
 from photon.distributed.workers import PlanBroadcast, TPWorkers
 from photon.engine.detokenizer import IncrementalDetokenizer
 from photon.engine.kv_cache import KVCacheManager
@@ -107,8 +108,12 @@ class EngineCore:
         # tp > 1: ranks 1.. run in worker processes; this process is rank 0.
         self.workers = None if config.parallel.tensor_parallel_size == 1 else TPWorkers(config)
         try:
+            # Experts over the data-parallel cores: this core's place in their group (its loop
+            # steps in lockstep with the other cores: photon.engine.lockstep).
+            self.dp_experts = join_dp_experts(config)
             self.runner = ModelRunner(config, masks=self.grammar, on_fault=self._fail_request,
-                                      tp=self.workers.group if self.workers else None)
+                                      tp=self.workers.group if self.workers else None,
+                                      dp_experts=self.dp_experts)
         except BaseException:
             self.shutdown()
             raise

@@ -1,10 +1,12 @@
 """The messages between the front end (`AsyncLLM`) and the engine-core process (`core_proc`).
 
 Front end -> core: `AddRequest` (a request the front end already checked), `Abort` (request ids,
-or child sequence ids of an n > 1 request), `Shutdown`. Core -> front end: one `StepOutputs` per
-engine step with every touched request's delta (new token ids, finish, logprobs), the answers to
-adds (refusals, and the acceptance of each request with a LoRA adapter) and the engine's stats,
-and `CoreError` last if the core's loop raised. All of it is msgspec-encoded msgpack: plain values and dataclasses, never pickle.
+or child sequence ids of an n > 1 request), `Utility`, `Wake` (lockstep cores: another core got
+a request), `Shutdown`. Core -> front end: one `StepOutputs` per engine step with every touched
+request's delta (new token ids, finish, logprobs), the answers to adds (refusals, and the
+acceptance of each request with a LoRA adapter) and the engine's stats, and `CoreError` last if
+the core's loop raised. All of it is msgspec-encoded msgpack: plain values and dataclasses, never
+pickle.
 """
 
 from __future__ import annotations
@@ -49,7 +51,12 @@ class Utility(msgspec.Struct, tag="utility", array_like=True):
     args: list[str] = []  # the method's arguments after the core
 
 
-CoreInput = AddRequest | Abort | Shutdown | Utility
+class Wake(msgspec.Struct, tag="wake", array_like=True):
+    """Lockstep cores (photon.engine.lockstep): another core was sent a request, so this one
+    joins the steps; one goes to every other core with each AddRequest."""
+
+
+CoreInput = AddRequest | Abort | Shutdown | Utility | Wake
 
 
 class UtilityResult(msgspec.Struct, array_like=True):

@@ -16,6 +16,7 @@ from torch import nn
 
 from photon.attention.kv_quant import CheckpointKVScales
 from photon.config import ConfigError, ModelConfig
+from photon.distributed.dp_experts import DPExperts
 from photon.distributed.group import TPGroup
 from photon.model.registry import get_model_class
 
@@ -63,18 +64,22 @@ def iter_weights(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, to
 
 def load_model(model_config: ModelConfig, device: str, tp: TPGroup | None = None,
                expert_parallel: bool = False,
-               kv_scales: CheckpointKVScales | None = None) -> nn.Module:
+               kv_scales: CheckpointKVScales | None = None,
+               dp_experts: DPExperts | None = None) -> nn.Module:
     """The model on `device`; with a tensor-parallel group of more than one rank, this rank's
     shards only (each checkpoint tensor is sliced as it is read). expert_parallel (MoE models
     only; checked by ParallelConfig): each rank holds whole experts, a share of them.
     kv_scales: receives the checkpoint's KV cache scales (k_scale / v_scale), which are not
-    weights of the model (dropped when None)."""
+    weights of the model (dropped when None). dp_experts (MoE models only): the experts are
+    partitioned over the data-parallel cores of that group; this core loads only its share."""
     cls = get_model_class(model_config.architecture)
     torch_device = torch.device(device)
     # One rank: the model classes' own signature (those without tensor parallelism take no tp).
     parallel: dict[str, object] = {"tp": tp} if tp is not None and tp.size > 1 else {}
     if parallel and expert_parallel:
         parallel["expert_parallel"] = True
+    if dp_experts is not None:
+        parallel["dp_experts"] = dp_experts
     if model_config.quant_config is not None:
         parallel["quant_config"] = model_config.quant_config
     with torch_device:

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from photon.attention.backend import ForwardContext
 from photon.config import ConfigError
+from photon.distributed.dp_experts import DPExperts
 from photon.distributed.group import TPGroup
 from photon.model.layers import ReplicatedLinear
 from photon.model.layers.moe import FusedMoE
@@ -30,13 +32,14 @@ class SparseMoeBlock(nn.Module):
     """x [T, H] -> the router's top-k experts' outputs, weighted and summed."""
 
     def __init__(self, hidden_size: int, moe: MoESettings, use_triton: bool,
-                 tp: TPGroup | None = None, expert_parallel: bool = False) -> None:
+                 tp: TPGroup | None = None, expert_parallel: bool = False,
+                 dp_experts: DPExperts | None = None) -> None:
         super().__init__()
         # The router is replicated: every rank routes every token the same way.
         self.gate = ReplicatedLinear(hidden_size, moe.num_experts)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, hidden_size, moe.intermediate_size,
                                 moe.renormalize, use_triton, tp=tp,
-                                expert_parallel=expert_parallel)
+                                expert_parallel=expert_parallel, dp_experts=dp_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))
@@ -72,14 +75,26 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     Under tensor parallelism attention, embeddings, the LM head and dense MLPs are split as in
     the dense decoders; the experts are split by intermediate dimension, or with
-    `expert_parallel` partitioned whole over the ranks (each rank loads only its experts)."""
+    `expert_parallel` partitioned whole over the ranks (each rank loads only its experts).
+    With `dp_experts` the experts are partitioned over the data-parallel cores of that group
+    (photon.distributed.dp_experts) and attention runs each core's own batch."""
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype,
                  device: torch.device | str, use_triton: bool = False,
-                 tp: TPGroup | None = None, expert_parallel: bool = False) -> None:
+                 tp: TPGroup | None = None, expert_parallel: bool = False,
+                 dp_experts: DPExperts | None = None) -> None:
         # Read by make_mlp while the base class builds the layers.
         self.expert_parallel = expert_parallel
+        self.dp_experts = dp_experts
         super().__init__(hf_config, dtype, device, use_triton, tp)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        if self.dp_experts is not None:
+            # Every MoE layer exchanges padded batches with the other cores: agree on their
+            # size once, before the first layer.
+            self.dp_experts.begin_forward(input_ids.shape[0])
+        return super().forward(input_ids, positions, ctx)
 
     @staticmethod
     def moe_settings(cfg: dict[str, Any]) -> MoESettings:
@@ -98,7 +113,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         if cfg.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"unsupported hidden_act {cfg.get('hidden_act')!r} (only silu)")
         return SparseMoeBlock(int(cfg["hidden_size"]), self.moe_settings(cfg), use_triton, tp,
-                              self.expert_parallel)
+                              self.expert_parallel, self.dp_experts)
 
     def map_weight_name(self, hf_name: str) -> tuple[str, Any]:
         return map_expert_name(hf_name) or super().map_weight_name(hf_name)

@@ -38,6 +38,7 @@ from photon.core.step import (
     StepPlan,
     request_table_size,
 )
+from photon.distributed.dp_experts import DPExperts
 from photon.distributed.group import TPGroup
 from photon.kv_transfer.base import KVConnectorBase
 from photon.kv_transfer.metadata import KVConnectorMetadata
@@ -93,9 +94,11 @@ class StepHandle:
 class ModelRunner:
     def __init__(self, config: EngineConfig, masks: MaskSource | None = None,
                  on_fault: Callable[[int, str], None] | None = None,
-                 tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None, dp_experts: DPExperts | None = None) -> None:
         """tp: this rank's tensor-parallel group (None: one rank). Every rank builds a runner over
-        its shard of the model and the KV heads; only rank 0 downloads the sampled tokens."""
+        its shard of the model and the KV heads; only rank 0 downloads the sampled tokens.
+        dp_experts: the MoE experts are partitioned over the data-parallel cores of this group
+        (photon.distributed.dp_experts)."""
         self.config = config
         self.tp = tp if tp is not None else TPGroup.single()
         self.masks = masks  # the grammar masks of steps with a grammar row
@@ -112,7 +115,7 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(config.cache.cache_dtype, self.dtype)
         ckpt_scales = CheckpointKVScales()
         self.model = load_model(config.model, config.device, self.tp,
-                                config.parallel.enable_expert_parallel, ckpt_scales)
+                                config.parallel.enable_expert_parallel, ckpt_scales, dp_experts)
         self.backend = create_backend(config.attention_backend, config.device)
         # Before the KV cache is sized: the slot weights take device memory.
         self.lora = self._lora_worker()
@@ -160,8 +163,10 @@ class ModelRunner:
         # Disaggregation: the KV connector's worker side (attach_kv_connector); None: none
         self.kv_connector: KVConnectorBase | None = None
         self.graphs: StepGraphs | None = None
-        # Graphs capture one rank's kernels only: with tp > 1 the steps run eagerly.
-        if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1:
+        # Graphs capture one rank's kernels only: with tp > 1, or experts over the data-parallel
+        # cores (whose every forward agrees on its padded size on the host), steps run eagerly.
+        if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1 \
+                and dp_experts is None:
             fwd = GraphModel(self.model, self.backend, self.kv_caches, self.token_pool, self.draft,
                              None if self.lora is None else self.lora.batch,
                              self.kv_scales)

@@ -12,6 +12,10 @@ sums the parts. The part is, with expert parallelism, the contribution of the ra
 (rank r of N holds experts [r*E/N, (r+1)*E/N), I_local = I); without it, every expert's slice
 of the intermediate dimension (I_local = I/N, vLLM's default), like a row-parallel MLP.
 
+With the experts spread over data-parallel engine cores instead (`dp_experts`:
+photon.distributed.dp_experts), each core holds its own tokens: the layer gathers every core's
+tokens, applies its experts to them and reduce-scatters the outputs back.
+
 On CUDA with use_triton the fused Triton kernels (photon.kernels.fused_moe) run; otherwise the
 torch path, which loops over the experts that received tokens (it reads the routed expert ids on
 the host, so it is for CPU and as the kernels' oracle).
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from photon.distributed.dp_experts import DPExperts
 from photon.distributed.group import TPGroup
 from photon.model.layers.linear import copy_into, new_param, tp_or_single
 
@@ -86,12 +91,13 @@ class FusedMoE(nn.Module):
 
     tp: the tensor-parallel group (None: one rank); expert_parallel: partition the experts over
     its ranks instead of each expert's intermediate dimension. `experts` (one rank only) picks a
-    range explicitly."""
+    range explicitly. dp_experts: the experts are partitioned over the data-parallel cores of
+    this group instead (tp must be one rank)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, use_triton: bool = False,
                  experts: ExpertRange | None = None, tp: TPGroup | None = None,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, dp_experts: DPExperts | None = None) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts="
@@ -100,6 +106,11 @@ class FusedMoE(nn.Module):
         self.expert_parallel = expert_parallel and self.tp.size > 1
         if self.expert_parallel:
             experts = ExpertRange.of_rank(num_experts, self.tp.rank, self.tp.size)
+        self.dp_experts = dp_experts
+        if dp_experts is not None:
+            if self.tp.size > 1:
+                raise ValueError("experts over data-parallel cores need one rank per core")
+            experts = ExpertRange.of_rank(num_experts, dp_experts.rank, dp_experts.size)
         self.experts = experts or ExpertRange.whole(num_experts)
         self.top_k, self.renormalize = top_k, renormalize
         # this rank's slice of each expert's intermediate dimension: [i_first, i_first + I_local)
@@ -142,13 +153,19 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        if self.kernel is not None and x.is_cuda:
-            out = self.kernel(x, self.w13_weight, self.w2_weight, weights, ids, self.experts)
-        else:
-            out = self.forward_torch(x, weights, ids)
+        if self.dp_experts is not None:
+            num_tokens = x.shape[0]
+            x, weights, ids = self.dp_experts.dispatch(x, weights, ids)
+            return self.dp_experts.combine(self._apply(x, weights, ids), num_tokens)
         # Each rank holds a part of every token's output (its experts, or its intermediate
         # slice of every expert): the sum over the ranks is the whole.
-        return self.tp.all_reduce(out)
+        return self.tp.all_reduce(self._apply(x, weights, ids))
+
+    def _apply(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This layer's experts' part of every token's output."""
+        if self.kernel is not None and x.is_cuda:
+            return self.kernel(x, self.w13_weight, self.w2_weight, weights, ids, self.experts)
+        return self.forward_torch(x, weights, ids)
 
     def forward_torch(self, x: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
