@@ -37,11 +37,9 @@ from photon.engine.remote_kv import RemoteKV
 from photon.engine.request import Request
 from photon.engine.request_checks import RequestChecks
 from photon.engine.scheduler import Scheduler
-from photon.errors import ParamError
 from photon.kv_events.publisher import create_publisher
 from photon.kv_transfer.base import KVConnectorRole, create_connector
 from photon.kv_transfer.metadata import KVTransferStats
-from photon.kv_transfer.params import KVTransferParams, parse_kv_transfer_params
 from photon.lora.manager import EngineLoRA, LoRAStats
 from photon.lora.request import LoRARequest
 from photon.lora.slots import LoRASlotPool
@@ -171,19 +169,6 @@ class EngineCore:
         self.scheduler.remote = RemoteKV(scheduler, self.kv)
         self.scheduler.on_kv_failure = kvt.extra.on_failure
 
-    def _kv_params(self, values: dict | None, params: SamplingParams) -> KVTransferParams | None:
-        """A request's kv_transfer_params, checked (ParamError naming the key)."""
-        kvp = parse_kv_transfer_params(values)
-        if kvp is None or not (kvp.do_remote_decode or kvp.do_remote_prefill):
-            return kvp
-        if self.config.kv_transfer_config is None:
-            raise ParamError("kv_transfer_params", "kv_transfer_params: this instance was "
-                             "started without --kv-transfer-config")
-        if params.n != 1:
-            raise ParamError("kv_transfer_params", "kv_transfer_params: needs n=1")
-        self.scheduler.remote.connector.check_params(kvp)
-        return kvp
-
     # ---- edge validation (photon.engine.request_checks) --------------------------------------
     def tokenize_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         return self.checks.tokenize_prompt(prompt)
@@ -201,7 +186,7 @@ class EngineCore:
         kv_transfer_params: disaggregation (photon.kv_transfer.params); lora_request: the
         LoRA adapter it runs with (None: the base model)."""
         vocab = self.config.model.vocab_size
-        kvp = self._kv_params(kv_transfer_params, params)
+        kvp = self.checks.kv_transfer_params(kv_transfer_params, params.n)
         self.check_lora(lora_request)
         params.validate_token_ids(vocab)
         if params.structured_outputs is not None and self.workers is not None:

@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
     from photon.engine.request import Request
     from photon.kv_transfer.config import KVTransferConfig
-    from photon.kv_transfer.params import KVTransferParams
 
 
 class KVConnectorRole(enum.Enum):
@@ -43,6 +42,9 @@ class KVConnectorRole(enum.Enum):
 
 class KVConnectorBase:
     name = ""
+    # Whether a decode instance connects to the kv_transfer_params' remote_host (then only to
+    # the hosts kv_connector_extra_config.allowed_remote_hosts allows).
+    connects_to_remote_host = False
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, engine_id: str,
                  block_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -56,10 +58,6 @@ class KVConnectorBase:
         self._metadata: KVConnectorMetadata | None = None
 
     # ---- scheduler side -----------------------------------------------------------------------
-    def check_params(self, params: KVTransferParams) -> None:
-        """A request's kv_transfer_params at the edge: ParamError (naming the key and what is
-        allowed) if this instance cannot serve them."""
-
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False

@@ -14,9 +14,13 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from photon.config import ConfigError
+from photon.errors import ParamError
+
+if TYPE_CHECKING:
+    from photon.kv_transfer.params import KVTransferParams
 
 FLAG = "kv_transfer_config (--kv-transfer-config)"
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -96,6 +100,14 @@ class KVConnectorExtraConfig:
         allowed = self.remote_hosts()
         return "*" in allowed or host.lower() in allowed
 
+    def host_refusal(self, host: str) -> str | None:
+        """Why a decode instance may not connect to `host` (None: it may)."""
+        if self.allows_remote_host(host):
+            return None
+        return (f"kv_transfer_params.remote_host {host!r} is not allowed by "
+                f"{ALLOWED_REMOTE_HOSTS} ({', '.join(self.remote_hosts())}); add the prefill "
+                f"instance's host there")
+
     @classmethod
     def from_dict(cls, values: object) -> KVConnectorExtraConfig:
         if not isinstance(values, Mapping):
@@ -141,6 +153,25 @@ class KVTransferConfig:
     @property
     def extra(self) -> KVConnectorExtraConfig:
         return self.kv_connector_extra_config
+
+    def check_request(self, params: KVTransferParams, tp_size: int) -> None:
+        """A request's kv_transfer_params at the edge, against this instance: ParamError naming
+        the key and what is allowed."""
+        from photon.kv_transfer.registry import KV_CONNECTORS
+
+        if not params.do_remote_prefill:
+            return
+        if params.tp_size is not None and params.tp_size != tp_size:
+            # each rank loads the shard its own rank of the prefill instance saved
+            raise ParamError("kv_transfer_params.tp_size",
+                             f"kv_transfer_params.tp_size: the prefill instance runs "
+                             f"tensor_parallel_size {params.tp_size}, this instance {tp_size}; "
+                             f"both must be equal")
+        if params.remote_host is not None \
+                and KV_CONNECTORS.get(self.kv_connector).connects_to_remote_host:
+            refusal = self.extra.host_refusal(params.remote_host)
+            if refusal is not None:
+                raise ParamError("kv_transfer_params.remote_host", refusal)
 
     @property
     def is_producer(self) -> bool:

@@ -28,8 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from photon.errors import ParamError
-from photon.kv_transfer.config import ALLOWED_REMOTE_HOSTS
 from photon.kv_transfer.nccl_link import Ask, ConsumerLink, Offer, ProducerEndpoint
 from photon.kv_transfer.params import KVTransferParams
 from photon.kv_transfer.planner import PlannedConnector
@@ -42,6 +40,7 @@ if TYPE_CHECKING:
 
 class NcclConnector(PlannedConnector):
     name = "NcclConnector"
+    connects_to_remote_host = True
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, engine_id: str,
                  block_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -65,22 +64,6 @@ class NcclConnector(PlannedConnector):
                                 remote_port=port, remote_request_id=transfer_id,
                                 tp_size=self.tp_size)
 
-    def check_params(self, params: KVTransferParams) -> None:
-        """A decode request connects to its remote_host: only to an allowed one."""
-        super().check_params(params)
-        if params.do_remote_prefill and params.remote_host is not None:
-            error = self._host_refused(params.remote_host)
-            if error is not None:
-                raise ParamError("kv_transfer_params.remote_host", error)
-
-    def _host_refused(self, host: str) -> str | None:
-        """Why `host` may not be connected to (None: allowed)."""
-        if self.extra.allows_remote_host(host):
-            return None
-        return (f"kv_transfer_params.remote_host {host!r} is not allowed by "
-                f"{ALLOWED_REMOTE_HOSTS} ({', '.join(self.extra.remote_hosts())}); add the "
-                f"prefill instance's host there")
-
     # ---- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self._caches = kv_caches
@@ -98,7 +81,7 @@ class NcclConnector(PlannedConnector):
         self.count(bytes_sent=nbytes, send_seconds=seconds, num_sent=1)
 
     def submit_load(self, spec: LoadSpec, deadline: float) -> Future[int]:
-        refused = self._host_refused(spec.remote_host) if spec.remote_host else None
+        refused = self.extra.host_refusal(spec.remote_host) if spec.remote_host else None
         if refused is not None:  # checked again here, before any connection: the load fails
             failed: Future[int] = Future()
             failed.set_exception(PermissionError(refused))

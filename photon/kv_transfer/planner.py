@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from photon.engine.request import RequestStatus
-from photon.errors import ParamError
 from photon.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from photon.kv_transfer.metadata import KVConnectorMetadata, KVTransferStats, LoadSpec, SaveSpec
 from photon.kv_transfer.params import KVTransferParams
@@ -54,16 +53,6 @@ class PlannedConnector(KVConnectorBase):
         return KVTransferParams(do_remote_prefill=True, remote_engine_id=self.engine_id,
                                 remote_block_ids=list(block_ids), remote_host="localhost",
                                 remote_request_id=transfer_id, tp_size=self.tp_size)
-
-    def check_params(self, params: KVTransferParams) -> None:
-        """Each rank loads the shard its own rank of the prefill instance saved: the two
-        instances must have the same tensor-parallel size."""
-        if params.do_remote_prefill and params.tp_size is not None \
-                and params.tp_size != self.tp_size:
-            raise ParamError("kv_transfer_params.tp_size",
-                             f"kv_transfer_params.tp_size: the prefill instance runs "
-                             f"tensor_parallel_size {params.tp_size}, this instance "
-                             f"{self.tp_size}; both must be equal")
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
