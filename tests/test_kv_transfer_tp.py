@@ -12,9 +12,13 @@ import torch
 
 from photon import LLM, SamplingParams
 from photon.config import ConfigError
+from photon.distributed.kv_reports import RankedConnector
 from photon.engine_args import EngineArgs
 from photon.errors import ParamError
 from photon.kv_transfer import segment
+from photon.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from photon.kv_transfer.config import parse_kv_transfer_config
+from photon.kv_transfer.metadata import KVConnectorMetadata, KVTransferReport, LoadSpec
 from tests.test_kv_transfer import (
     ENGINE,
     MODEL,
@@ -102,3 +106,55 @@ def test_nccl_connector_refused_with_tp() -> None:
     with pytest.raises(ConfigError, match="NcclConnector is not supported with "
                                           "tensor_parallel_size"):
         EngineArgs(model=MODEL, tensor_parallel_size=2, kv_transfer_config=kvt).create_config()
+
+
+class _Local(KVConnectorBase):
+    """A rank's worker side whose finished transfers the test sets."""
+
+    def __init__(self) -> None:
+        config = parse_kv_transfer_config({"kv_connector": "SharedMemoryConnector",
+                                           "kv_role": "kv_both"})
+        super().__init__(config, KVConnectorRole.WORKER, "1-a", 4, 0, 2)
+        self.report = KVTransferReport()
+
+    def get_finished(self) -> tuple[set[int], set[int]]:
+        report, self.report = self.report, KVTransferReport()
+        self.errors = set(report.error_blocks)
+        return set(report.sending), set(report.recving)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.errors
+
+
+def test_ranked_connector_waits_for_every_rank() -> None:
+    """A transfer is finished once both ranks reported it; the worker is asked only while one
+    that rank 0 finished waits for it; a load failed on rank 1 alone fails the request."""
+    local, worker, asked = _Local(), [KVTransferReport()], [0]
+
+    def poll() -> list[KVTransferReport]:
+        asked[0] += 1
+        report, worker[0] = worker[0], KVTransferReport()
+        return [report]
+
+    ranked = RankedConnector(local, poll)
+    ranked.bind_connector_metadata(KVConnectorMetadata(loads=[
+        LoadSpec(7, "2-b", "t7", 0, [3, 4]), LoadSpec(8, "2-b", "t8", 0, [5])]))
+    worker[0] = KVTransferReport(sending=[1])  # rank 1 first: nobody asks it yet
+    ranked.collect_reports()
+    assert ranked.get_finished() == (set(), set()) and asked[0] == 0
+    local.report = KVTransferReport(sending=[1], recving=[7, 8])
+    assert ranked.get_finished() == (set(), set())  # rank 0 done, rank 1 not yet asked
+    ranked.collect_reports()  # asked: it reports send 1; the loads still wait for it
+    assert asked[0] == 1 and ranked.has_pending()
+    worker[0] = KVTransferReport(recving=[8], error_blocks=[5])
+    ranked.collect_reports()
+    assert ranked.get_finished() == ({1}, {8})
+    assert ranked.get_block_ids_with_load_errors() == {5}
+    worker[0] = KVTransferReport(recving=[7])
+    ranked.collect_reports()
+    assert ranked.get_finished() == (set(), {7}) and not ranked.has_pending()
+    assert ranked.get_block_ids_with_load_errors() == set()
+    ranked.collect_reports()  # nothing waits: no collective
+    assert asked[0] == 3
+    stats = ranked.stats()
+    assert (stats.num_received, stats.num_load_failures) == (1, 1)

@@ -16,9 +16,13 @@ plan is broadcast, or with no step in flight), never between a plan's broadcast 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from photon.kv_transfer.base import KVConnectorBase
 from photon.kv_transfer.metadata import KVConnectorMetadata, KVTransferReport, KVTransferStats
+
+if TYPE_CHECKING:
+    import torch
 
 
 def take_report(connector: KVConnectorBase) -> KVTransferReport:
@@ -48,10 +52,10 @@ class RankedConnector(KVConnectorBase):
         self._num_failed = 0
 
     # ---- the runner's calls: rank 0's own shard -------------------------------------------
-    def register_kv_caches(self, kv_caches: list) -> None:
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.local.register_kv_caches(kv_caches)
 
-    def get_handshake_metadata(self) -> dict | None:
+    def get_handshake_metadata(self) -> dict[str, Any] | None:
         return self.local.get_handshake_metadata()
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
