@@ -193,7 +193,11 @@ class EngineArgs:
             "then falls back), on_failure (recompute: the decode instance computes the prompt "
             "itself, the default; fail: the request fails). kv_connector NcclConnector "
             "(torch.distributed send/recv; gloo on CPU): kv_ip and kv_port of the prefill "
-            "instance's rendezvous (default 127.0.0.1, port 0: a free one). Default: off."))
+            "instance's rendezvous (default 127.0.0.1, port 0: a free one); "
+            "allowed_remote_hosts: the prefill hosts a decode instance may connect to "
+            "(default: localhost, 127.0.0.1, ::1 and kv_ip; \"*\": any). With "
+            "--tensor-parallel-size N: SharedMemoryConnector, N equal on both instances. "
+            "Default: off."))
 
     enable_lora: bool = field(default=False, metadata=_help(
         "Serve LoRA adapters (PEFT format: adapter_config.json and adapter_model.safetensors, "
@@ -364,8 +368,11 @@ def _kv_transfer_config(value: object, tensor_parallel_size: int) -> KVTransferC
     from photon.kv_transfer.config import FLAG, parse_kv_transfer_config
 
     config = parse_kv_transfer_config(value)
-    if config is not None and tensor_parallel_size > 1:
-        raise ConfigError(f"{FLAG} is not supported with {flag('tensor_parallel_size')} > 1 yet")
+    if config is not None and tensor_parallel_size > 1 \
+            and config.kv_connector != "SharedMemoryConnector":
+        raise ConfigError(f"{FLAG}: kv_connector {config.kv_connector} is not supported with "
+                          f"{flag('tensor_parallel_size')} > 1 yet; use SharedMemoryConnector "
+                          f"(every rank moves its own KV shard) or tensor_parallel_size 1")
     return config
 
 

@@ -131,6 +131,20 @@ class TPGroup:
         self._cpu_pg.allreduce([t], opts).wait()
         return int(t.item())
 
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's `data`, in rank order (over the CPU group: the lengths, then the bytes
+        padded to the longest)."""
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        lengths = [torch.empty_like(length) for _ in range(self.size)]
+        self._cpu_pg.allgather([lengths], [length]).wait()
+        sizes = [int(n.item()) for n in lengths]
+        buf = torch.zeros(max(max(sizes), 1), dtype=torch.uint8)
+        if data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty_like(buf) for _ in range(self.size)]
+        self._cpu_pg.allgather([parts], [buf]).wait()
+        return [part[:n].numpy().tobytes() for part, n in zip(parts, sizes)]
+
     # ---- the step broadcast -----------------------------------------------------------------
     def broadcast_bytes(self, data: bytes | None, wait_s: float | None = None) -> bytes:
         """Rank 0 sends `data`, the others receive it (length, then the bytes). `wait_s`: how

@@ -9,7 +9,9 @@ the same order as rank 0, so the model's collectives pair up. The broadcast ride
 transport (no second channel whose ordering against the collectives would need checking, and a
 dead rank 0 closes it at once); a zmq PUB socket could drop a slow joiner's first messages.
 
-Message bytes: b"P" + a msgpack StepPlan, b"A" (audit: report the table's live rows), b"S" stop.
+Message bytes: b"P" + a msgpack StepPlan, b"A" (audit: report the table's live rows and pending
+KV transfers), b"K" (KV transfers: every rank reports what its connector finished, all-gathered;
+sent only while a transfer waits for a rank, see photon.distributed.kv_reports), b"S" stop.
 Workers exit on stop, or when rank 0's sockets close (its process ended); rank 0 maps a failed
 collective to `TensorParallelError` naming the ranks that exited.
 """
@@ -28,8 +30,11 @@ import torch
 from photon.config import EngineConfig
 from photon.core.step import StepPlan
 from photon.distributed.group import TPGroup, TPGroupSpec, bind_store
+from photon.distributed.kv_reports import RankedConnector, take_report
+from photon.kv_transfer.base import KVConnectorBase, KVConnectorRole, create_connector
+from photon.kv_transfer.metadata import KVTransferReport
 
-_PLAN, _AUDIT, _STOP = b"P", b"A", b"S"
+_PLAN, _AUDIT, _KV, _STOP = b"P", b"A", b"K", b"S"
 _IDLE_WAIT_S = 365 * 24 * 3600.0  # a worker waits this long for the next plan (an idle engine)
 _HOST = "127.0.0.1"
 
@@ -41,7 +46,9 @@ class TensorParallelError(RuntimeError):
 class TPWorkers:
     """Rank 0's handle on the worker processes and the group they share with it."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, engine_id: str = "") -> None:
+        """`engine_id`: the instance's (rank 0's) id, which names the KV connector's transfers
+        on every rank."""
         parallel = config.parallel
         size = parallel.tensor_parallel_size
         store = bind_store(_HOST, size, parallel.collective_timeout_s)
@@ -52,8 +59,8 @@ class TPWorkers:
         if self._saved_threads is not None:
             torch.set_num_threads(cpu_threads_per_rank(size))
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=worker_main, args=(config, spec, rank), daemon=True,
-                                  name=f"photon-tp-rank{rank}") for rank in range(1, size)]
+        self.procs = [ctx.Process(target=worker_main, args=(config, spec, rank, engine_id),
+                                  daemon=True, name=f"photon-tp-rank{rank}") for rank in range(1, size)]
         for p in self.procs:
             p.start()
         # Reaps the workers if the engine is dropped without shutdown() (or at exit).
@@ -65,14 +72,22 @@ class TPWorkers:
             self._restore_threads()
             raise TensorParallelError(f"tensor-parallel workers did not join: {e}") from e
         self._encoder = msgspec.msgpack.Encoder()
+        self._reports = msgspec.msgpack.Decoder(KVTransferReport)
 
     def send_plan(self, plan: StepPlan) -> None:
         self._send(_PLAN + self._encoder.encode(plan))
 
-    def audit_live_rows(self) -> int:
-        """The most request-table rows any worker still holds (0 after a drain)."""
+    def audit(self) -> tuple[int, int]:
+        """The most request-table rows, and KV transfers not yet reported, any worker still
+        holds (both 0 after a drain)."""
         self._send(_AUDIT)
-        return self._guard(lambda g: g.max_int(0))
+        return self._guard(lambda g: (g.max_int(0), g.max_int(0)))
+
+    def kv_reports(self) -> list[KVTransferReport]:
+        """What each worker's KV connector finished since it was last asked (rank order)."""
+        self._send(_KV)
+        parts = self._guard(lambda g: g.all_gather_bytes(b""))
+        return [self._reports.decode(part) for part in parts[1:]]
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Tell the workers to stop and reap them (those that do not exit are killed)."""
@@ -129,13 +144,18 @@ def _reap(procs: list[mp.Process], timeout_s: float) -> None:
 
 class PlanBroadcast:
     """The pipeline's `StepRunner` on rank 0: each plan goes to the workers, then to the runner;
-    a failed collective ends the engine with `TensorParallelError`."""
+    a failed collective ends the engine with `TensorParallelError`. With a KV connector
+    (`kv`), the workers' finished transfers are collected before a plan goes out."""
 
-    def __init__(self, runner: Any, workers: TPWorkers) -> None:
+    def __init__(self, runner: Any, workers: TPWorkers, kv: RankedConnector | None = None
+                 ) -> None:
         self.runner = runner
         self.workers = workers
+        self.kv = kv
 
     def prepare(self, plan: StepPlan) -> Any:
+        if self.kv is not None:
+            self.kv.collect_reports()
         self.workers.send_plan(plan)
         return self.runner.prepare(plan)
 
@@ -161,14 +181,14 @@ class PlanBroadcast:
         return self.runner.prompt_scores(handle)
 
 
-def worker_main(config: EngineConfig, spec: TPGroupSpec, rank: int) -> None:
+def worker_main(config: EngineConfig, spec: TPGroupSpec, rank: int, engine_id: str) -> None:
     """A worker process: join the group, build the rank's runner, follow rank 0's plans."""
     if spec.device == "cuda":
         torch.cuda.set_device(rank)
     else:  # the ranks share the host's cores
         torch.set_num_threads(cpu_threads_per_rank(spec.size))
     group = TPGroup.join(spec, rank)
-    _WorkerLoop(config, group).run()
+    _WorkerLoop(config, group, engine_id).run()
     # Stopped cleanly: leave without running the interpreter's teardown, which can abort on the
     # process group's transport threads.
     sys.stdout.flush()
@@ -177,27 +197,44 @@ def worker_main(config: EngineConfig, spec: TPGroupSpec, rank: int) -> None:
 
 
 class _WorkerLoop:
-    def __init__(self, config: EngineConfig, group: TPGroup) -> None:
+    def __init__(self, config: EngineConfig, group: TPGroup, engine_id: str) -> None:
         from photon.worker.model_runner import ModelRunner
 
         self.group = group
         self.runner = ModelRunner(config, on_fault=self._on_fault, tp=group)
         self.decoder = msgspec.msgpack.Decoder(StepPlan)
+        self.encoder = msgspec.msgpack.Encoder()
         self.last: dict[int, Any] = {}  # slot index -> the last step sampled in it
+        kvt = config.kv_transfer_config
+        self.connector: KVConnectorBase | None = None
+        if kvt is not None:  # this rank's shard of the instance's KV transfers
+            self.connector = create_connector(kvt, KVConnectorRole.WORKER, engine_id,
+                                              config.cache.block_size, group.rank, group.size)
+            self.runner.attach_kv_connector(self.connector)
 
     def _on_fault(self, req_index: int, error: str) -> None:
         """Rank 0 fails the request (its row runs inert here too, as on rank 0)."""
 
     def run(self) -> None:
-        while True:
-            data = self.group.broadcast_bytes(None, wait_s=_IDLE_WAIT_S)
-            kind = data[:1]
-            if kind == _STOP:
-                return
-            if kind == _AUDIT:
-                self.group.max_int(self.runner.table.num_live)
-            else:
-                self._step(self.decoder.decode(data[1:]))
+        try:
+            while True:
+                data = self.group.broadcast_bytes(None, wait_s=_IDLE_WAIT_S)
+                kind = data[:1]
+                if kind == _STOP:
+                    return
+                if kind == _AUDIT:
+                    self.group.max_int(self.runner.table.num_live)
+                    c = self.connector
+                    self.group.max_int(int(c is not None and c.has_pending()))
+                elif kind == _KV:
+                    report = take_report(self.connector) if self.connector is not None \
+                        else KVTransferReport()
+                    self.group.all_gather_bytes(self.encoder.encode(report))
+                else:
+                    self._step(self.decoder.decode(data[1:]))
+        finally:
+            if self.connector is not None:  # stop its transfers, remove its unfinished files
+                self.connector.close()
 
     @torch.inference_mode()
     def _step(self, plan: StepPlan) -> None:

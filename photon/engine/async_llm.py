@@ -49,8 +49,8 @@ from photon.engine.messages import (
     StepOutputs,
     Utility,
     UtilityResult,
-    refusal_error,
     Wake,
+    refusal_error,
 )
 from photon.engine.output_processor import OutputProcessor
 from photon.engine.request_checks import RequestChecks

@@ -44,8 +44,8 @@ from photon.engine.messages import (
     StepOutputs,
     Utility,
     UtilityResult,
-    refusal,
     Wake,
+    refusal,
 )
 from photon.lora.registry import LoRAAdapters
 from photon.outputs import RequestOutput

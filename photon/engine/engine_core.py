@@ -28,6 +28,7 @@ from photon.config import EngineConfig
 from photon.core.sampling import derive_key, pack_sampling
 from photon.core.step import request_table_size
 from photon.distributed.dp_experts import join_dp_experts
+from photon.distributed.kv_reports import RankedConnector
 from photon.distributed.workers import PlanBroadcast, TPWorkers
 from photon.engine.detokenizer import IncrementalDetokenizer
 from photon.engine.kv_cache import KVCacheManager
@@ -37,11 +38,9 @@ from photon.engine.remote_kv import RemoteKV
 from photon.engine.request import Request
 from photon.engine.request_checks import RequestChecks
 from photon.engine.scheduler import Scheduler
-from photon.errors import ParamError
 from photon.kv_events.publisher import create_publisher
 from photon.kv_transfer.base import KVConnectorRole, create_connector
 from photon.kv_transfer.metadata import KVTransferStats
-from photon.kv_transfer.params import KVTransferParams, parse_kv_transfer_params
 from photon.lora.manager import EngineLoRA, LoRAStats
 from photon.lora.request import LoRARequest
 from photon.lora.slots import LoRASlotPool
@@ -105,8 +104,11 @@ class EngineCore:
             max_rows=config.scheduler.max_num_seqs, cuda=config.device == "cuda")
         self.grammar = GrammarStep(self.structured,
                                    request_table_size(config.scheduler.max_num_seqs))
+        # Names this instance's KV transfers (process id first: a peer can tell it is gone).
+        self.engine_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         # tp > 1: ranks 1.. run in worker processes; this process is rank 0.
-        self.workers = None if config.parallel.tensor_parallel_size == 1 else TPWorkers(config)
+        self.workers = None if config.parallel.tensor_parallel_size == 1 \
+            else TPWorkers(config, self.engine_id)
         try:
             # Experts over the data-parallel cores: this core's place in their group (its loop
             # steps in lockstep with the other cores: photon.engine.lockstep).
@@ -136,8 +138,9 @@ class EngineCore:
         if spec is not None and spec.adaptive:  # the adaptive switch: K_eff per step from a cost model
             self.scheduler.spec_policy = AdaptiveSpec(spec.k, self.runner.spec.counters)
         self._attach_kv_connector()
-        step_runner = self.runner if self.workers is None \
-            else PlanBroadcast(self.runner, self.workers)
+        ranked = self.runner.kv_connector
+        step_runner = self.runner if self.workers is None else PlanBroadcast(
+            self.runner, self.workers, ranked if isinstance(ranked, RankedConnector) else None)
         self.pipeline = Pipeline(self.scheduler, step_runner, self.grammar,
                                  config.pipeline_depth)
         self._rng = random.Random(config.model.seed)
@@ -156,31 +159,20 @@ class EngineCore:
 
     def _attach_kv_connector(self) -> None:
         """--kv-transfer-config: the connector's worker side in the runner, its scheduler side
-        in the scheduler. The engine id (process id first: a peer can tell it is gone) names
-        this instance's transfers."""
+        in the scheduler. With tensor parallelism the runner's is rank 0's, which learns what
+        the other ranks finished (RankedConnector)."""
         kvt = self.config.kv_transfer_config
         if kvt is None:
             return
-        engine_id = f"{os.getpid()}-{secrets.token_hex(4)}"
-        bs = self.config.cache.block_size
-        worker = create_connector(kvt, KVConnectorRole.WORKER, engine_id, bs)
+        bs, tp = self.config.cache.block_size, self.config.parallel.tensor_parallel_size
+        worker = create_connector(kvt, KVConnectorRole.WORKER, self.engine_id, bs, 0, tp)
+        if self.workers is not None:
+            worker = RankedConnector(worker, self.workers.kv_reports)
         self.runner.attach_kv_connector(worker)
-        scheduler = create_connector(kvt, KVConnectorRole.SCHEDULER, engine_id, bs)
+        scheduler = create_connector(kvt, KVConnectorRole.SCHEDULER, self.engine_id, bs, 0, tp)
         scheduler.set_xfer_handshake_metadata(worker.get_handshake_metadata())
         self.scheduler.remote = RemoteKV(scheduler, self.kv)
         self.scheduler.on_kv_failure = kvt.extra.on_failure
-
-    def _kv_params(self, values: dict | None, params: SamplingParams) -> KVTransferParams | None:
-        """A request's kv_transfer_params, checked (ParamError naming the key)."""
-        kvp = parse_kv_transfer_params(values)
-        if kvp is None or not (kvp.do_remote_decode or kvp.do_remote_prefill):
-            return kvp
-        if self.config.kv_transfer_config is None:
-            raise ParamError("kv_transfer_params", "kv_transfer_params: this instance was "
-                             "started without --kv-transfer-config")
-        if params.n != 1:
-            raise ParamError("kv_transfer_params", "kv_transfer_params: needs n=1")
-        return kvp
 
     # ---- edge validation (photon.engine.request_checks) --------------------------------------
     def tokenize_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
@@ -199,7 +191,7 @@ class EngineCore:
         kv_transfer_params: disaggregation (photon.kv_transfer.params); lora_request: the
         LoRA adapter it runs with (None: the base model)."""
         vocab = self.config.model.vocab_size
-        kvp = self._kv_params(kv_transfer_params, params)
+        kvp = self.checks.kv_transfer_params(kv_transfer_params, params.n)
         self.check_lora(lora_request)
         params.validate_token_ids(vocab)
         if params.structured_outputs is not None and self.workers is not None:
@@ -322,6 +314,8 @@ class EngineCore:
             return []
         if self.pipeline.idle and not sched.waiting and not sched.running and conn.has_pending():
             conn.wait_for_progress(0.01)
+        if self.pipeline.idle and isinstance(conn, RankedConnector):
+            conn.collect_reports()  # no step in flight: the other ranks may be asked now
         sending, recving = conn.get_finished()
         if not (sending or recving):
             return []
@@ -452,8 +446,9 @@ class EngineCore:
         live = self.runner.table.num_live
         assert live == 0, f"{live} rows of the runner's table still held"
         if self.workers is not None:
-            live = self.workers.audit_live_rows()
+            live, transfers = self.workers.audit()
             assert live == 0, f"{live} rows of a tensor-parallel worker's table still held"
+            assert transfers == 0, "a tensor-parallel worker's KV transfers still pending"
         lora = sched.lora
         if lora is not None:
             assert lora.num_used == 0, f"{lora.num_used} LoRA slots still referenced"

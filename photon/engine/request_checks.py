@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 from photon.config import EngineConfig
 from photon.core.sampling import derive_key, pack_sampling
+from photon.errors import ParamError
+from photon.kv_transfer.params import KVTransferParams, parse_kv_transfer_params
 from photon.sampling_params import SamplingParams
 from photon.tokenizer import Tokenizer
 
@@ -57,3 +59,18 @@ class RequestChecks:
         pack_sampling(params, derive_key(0), len(prompt_ids), max_tokens,
                       self.config.model.vocab_size, self.tokenizer.eos_token_ids)
         return max_tokens
+
+    def kv_transfer_params(self, values: object, n: int) -> KVTransferParams | None:
+        """A request's kv_transfer_params, checked against this instance (ParamError naming
+        the key and what is allowed)."""
+        kvp = parse_kv_transfer_params(values)
+        if kvp is None or not (kvp.do_remote_decode or kvp.do_remote_prefill):
+            return kvp
+        kvt = self.config.kv_transfer_config
+        if kvt is None:
+            raise ParamError("kv_transfer_params", "kv_transfer_params: this instance was "
+                             "started without --kv-transfer-config")
+        if n != 1:
+            raise ParamError("kv_transfer_params", "kv_transfer_params: needs n=1")
+        kvt.check_request(kvp, self.config.parallel.tensor_parallel_size)
+        return kvp

@@ -15,6 +15,8 @@ Worker side:
   register_kv_caches, start_load_kv, wait_for_layer_load, save_kv_layer, wait_for_save,
   get_finished -> (finished_sending, finished_recving) request keys, and
   get_block_ids_with_load_errors.
+With tensor parallelism every rank has a worker side over its own KV shard (tp_rank of
+tp_size); the engine learns a transfer finished once every rank's get_finished reported it.
 Between them, at start: the worker side's get_handshake_metadata goes to the scheduler side's
 set_xfer_handshake_metadata (vLLM's names).
 """
@@ -40,13 +42,19 @@ class KVConnectorRole(enum.Enum):
 
 class KVConnectorBase:
     name = ""
+    # Whether a decode instance connects to the kv_transfer_params' remote_host (then only to
+    # the hosts kv_connector_extra_config.allowed_remote_hosts allows).
+    connects_to_remote_host = False
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, engine_id: str,
-                 block_size: int) -> None:
+                 block_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         self.config = config
         self.block_size = block_size
         self.role = role
-        self.engine_id = engine_id  # unique per instance: names its transfers
+        self.engine_id = engine_id  # unique per instance (every rank's is rank 0's)
+        # Tensor parallelism: the worker side of rank `tp_rank` moves that rank's KV shard.
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
         self._metadata: KVConnectorMetadata | None = None
 
     # ---- scheduler side -----------------------------------------------------------------------
@@ -117,7 +125,8 @@ class KVConnectorBase:
 
 
 def create_connector(config: KVTransferConfig, role: KVConnectorRole, engine_id: str,
-                     block_size: int) -> KVConnectorBase:
+                     block_size: int, tp_rank: int = 0, tp_size: int = 1) -> KVConnectorBase:
     from photon.kv_transfer.registry import KV_CONNECTORS
 
-    return KV_CONNECTORS.get(config.kv_connector)(config, role, engine_id, block_size)
+    return KV_CONNECTORS.get(config.kv_connector)(config, role, engine_id, block_size,
+                                                  tp_rank, tp_size)

@@ -3,8 +3,9 @@
 Keys (vLLM's names): kv_connector (a registered connector, e.g. "SharedMemoryConnector"),
 kv_role ("kv_producer": a prefill instance, "kv_consumer": a decode instance, "kv_both"),
 kv_connector_extra_config (the connector's own options; photon reads timeout_s, on_failure,
-rendezvous, kv_ip / kv_port (the NcclConnector's rendezvous) and the test-only inject_fault). Every mistake is a ConfigError naming the key and
-what is allowed.
+rendezvous, kv_ip / kv_port (the NcclConnector's rendezvous), allowed_remote_hosts (the prefill
+hosts a decode instance's NcclConnector may connect to) and the test-only inject_fault). Every
+mistake is a ConfigError naming the key and what is allowed.
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from photon.config import ConfigError
+from photon.errors import ParamError
+
+if TYPE_CHECKING:
+    from photon.kv_transfer.params import KVTransferParams
 
 FLAG = "kv_transfer_config (--kv-transfer-config)"
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -26,7 +31,10 @@ INJECT_FAULTS = ("none", "drop", "delay")
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RENDEZVOUS = "photon"
 _KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
-_EXTRA_KEYS = ("timeout_s", "on_failure", "rendezvous", "kv_ip", "kv_port", "inject_fault")
+_EXTRA_KEYS = ("timeout_s", "on_failure", "rendezvous", "kv_ip", "kv_port",
+               "allowed_remote_hosts", "inject_fault")
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+ALLOWED_REMOTE_HOSTS = "kv_connector_extra_config.allowed_remote_hosts"
 _NAME = re.compile(r"[A-Za-z0-9_.]{1,64}")
 _EXAMPLE = '{"kv_connector": "SharedMemoryConnector", "kv_role": "kv_producer"}'
 
@@ -55,6 +63,9 @@ class KVConnectorExtraConfig:
     # free port, chosen at start); decode instances learn it from kv_transfer_params.
     kv_ip: str = "127.0.0.1"
     kv_port: int = 0
+    # The hosts a request's kv_transfer_params.remote_host may name ("*": any); None: the
+    # loopback hosts and kv_ip (default_remote_hosts).
+    allowed_remote_hosts: tuple[str, ...] | None = None
     inject_fault: str = "none"  # test only: see INJECT_FAULTS
 
     def __post_init__(self) -> None:
@@ -75,6 +86,27 @@ class KVConnectorExtraConfig:
         if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= 65535:
             raise _error("kv_connector_extra_config.kv_port",
                          f"must be a port number from 0 (a free port) to 65535, got {p!r}")
+        if self.allowed_remote_hosts is not None:
+            object.__setattr__(self, "allowed_remote_hosts",
+                               _host_list(self.allowed_remote_hosts))
+
+    def remote_hosts(self) -> tuple[str, ...]:
+        """The hosts a decode instance may connect to (lower case; "*": any)."""
+        if self.allowed_remote_hosts is not None:
+            return self.allowed_remote_hosts
+        return default_remote_hosts(self.kv_ip)
+
+    def allows_remote_host(self, host: str) -> bool:
+        allowed = self.remote_hosts()
+        return "*" in allowed or host.lower() in allowed
+
+    def host_refusal(self, host: str) -> str | None:
+        """Why a decode instance may not connect to `host` (None: it may)."""
+        if self.allows_remote_host(host):
+            return None
+        return (f"kv_transfer_params.remote_host {host!r} is not allowed by "
+                f"{ALLOWED_REMOTE_HOSTS} ({', '.join(self.remote_hosts())}); add the prefill "
+                f"instance's host there")
 
     @classmethod
     def from_dict(cls, values: object) -> KVConnectorExtraConfig:
@@ -85,6 +117,23 @@ class KVConnectorExtraConfig:
             raise _error("kv_connector_extra_config", f"has unknown key {unknown[0]!r}; "
                                                       f"allowed keys: {', '.join(_EXTRA_KEYS)}")
         return cls(**values)
+
+
+def default_remote_hosts(kv_ip: str) -> tuple[str, ...]:
+    """The loopback hosts and this instance's own kv_ip (its host name when kv_ip listens on
+    every address)."""
+    import socket
+
+    own = socket.gethostname() if kv_ip in ("0.0.0.0", "::", "") else kv_ip
+    return tuple(dict.fromkeys(h.lower() for h in (*LOOPBACK_HOSTS, own)))
+
+
+def _host_list(value: object) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value or not all(
+            isinstance(h, str) and 0 < len(h) <= 256 for h in value):
+        raise _error(ALLOWED_REMOTE_HOSTS, f"must be a non-empty list of host names or IP "
+                                           f"addresses (\"*\": any host), got {value!r}")
+    return tuple(h.lower() for h in value)
 
 
 @dataclass(frozen=True)
@@ -104,6 +153,25 @@ class KVTransferConfig:
     @property
     def extra(self) -> KVConnectorExtraConfig:
         return self.kv_connector_extra_config
+
+    def check_request(self, params: KVTransferParams, tp_size: int) -> None:
+        """A request's kv_transfer_params at the edge, against this instance: ParamError naming
+        the key and what is allowed."""
+        from photon.kv_transfer.registry import KV_CONNECTORS
+
+        if not params.do_remote_prefill:
+            return
+        if params.tp_size is not None and params.tp_size != tp_size:
+            # each rank loads the shard its own rank of the prefill instance saved
+            raise ParamError("kv_transfer_params.tp_size",
+                             f"kv_transfer_params.tp_size: the prefill instance runs "
+                             f"tensor_parallel_size {params.tp_size}, this instance {tp_size}; "
+                             f"both must be equal")
+        if params.remote_host is not None \
+                and KV_CONNECTORS.get(self.kv_connector).connects_to_remote_host:
+            refusal = self.extra.host_refusal(params.remote_host)
+            if refusal is not None:
+                raise ParamError("kv_transfer_params.remote_host", refusal)
 
     @property
     def is_producer(self) -> bool:

@@ -57,3 +57,14 @@ class KVTransferStats:
 
     def copy(self) -> KVTransferStats:
         return KVTransferStats(**vars(self))
+
+
+@dataclass(slots=True)
+class KVTransferReport:
+    """What one tensor-parallel rank's worker side finished since its last report: the keys of
+    its finished sends and loads, the blocks of its failed loads, and its counters."""
+
+    sending: list[int] = field(default_factory=list)
+    recving: list[int] = field(default_factory=list)
+    error_blocks: list[int] = field(default_factory=list)
+    stats: KVTransferStats = field(default_factory=KVTransferStats)

@@ -3,7 +3,9 @@ point-to-point send/recv (NCCL between CUDA devices, gloo on CPU: the same code)
 
 Producer (kv_producer / kv_both): at start it hosts a rendezvous store on kv_ip:kv_port (from
 kv_connector_extra_config; port 0: a free port) and tells decode instances the address in each
-transfer's kv_transfer_params (remote_host, remote_port). A request sent with `do_remote_decode`
+transfer's kv_transfer_params (remote_host, remote_port). A decode instance connects only to the
+hosts kv_connector_extra_config.allowed_remote_hosts allows (checked at the request's edge and
+again before connecting). A request sent with `do_remote_decode`
 keeps its blocks when it finishes; the next step offers them (on CUDA behind an event of the
 step that wrote them). A decode instance's ask is served by that pair's transfer thread (on CUDA
 on a stream of its own); the blocks are freed once sent, or when the lease (timeout_s) runs out
@@ -38,10 +40,11 @@ if TYPE_CHECKING:
 
 class NcclConnector(PlannedConnector):
     name = "NcclConnector"
+    connects_to_remote_host = True
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, engine_id: str,
-                 block_size: int) -> None:
-        super().__init__(config, role, engine_id, block_size)
+                 block_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(config, role, engine_id, block_size, tp_rank, tp_size)
         self._address: tuple[str, int] | None = None  # scheduler side: the producer's
         # worker side
         self._caches: list[torch.Tensor] = []
@@ -58,7 +61,8 @@ class NcclConnector(PlannedConnector):
         host, port = self._address or (None, None)
         return KVTransferParams(do_remote_prefill=True, remote_engine_id=self.engine_id,
                                 remote_block_ids=list(block_ids), remote_host=host,
-                                remote_port=port, remote_request_id=transfer_id)
+                                remote_port=port, remote_request_id=transfer_id,
+                                tp_size=self.tp_size)
 
     # ---- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
@@ -77,6 +81,12 @@ class NcclConnector(PlannedConnector):
         self.count(bytes_sent=nbytes, send_seconds=seconds, num_sent=1)
 
     def submit_load(self, spec: LoadSpec, deadline: float) -> Future[int]:
+        refused = self.extra.host_refusal(spec.remote_host) if spec.remote_host else None
+        if refused is not None:  # checked again here, before any connection: the load fails
+            failed: Future[int] = Future()
+            failed.set_exception(PermissionError(refused))
+            self._progress.set()
+            return failed
         link, pool = self._link(spec)
         return pool.submit(self._load, link, spec, deadline)
 

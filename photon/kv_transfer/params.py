@@ -3,7 +3,7 @@
 To a prefill instance a client sends `{"do_remote_decode": true}`: the request's KV cache is kept
 for a decode instance, and its `RequestOutput.kv_transfer_params` says where to find it
 (`do_remote_prefill: true`, `remote_engine_id`, `remote_request_id`, `remote_block_ids`,
-`remote_host`, `remote_port`). Sent on to a decode instance as they are, those load the KV cache
+`remote_host`, `remote_port`, `tp_size`: the prefill instance's tensor-parallel size). Sent on to a decode instance as they are, those load the KV cache
 instead of computing the prompt. Values come from clients: every one is checked, and the ids that
 name a transfer may hold only letters, digits, '-' and '_'.
 """
@@ -20,7 +20,7 @@ from photon.errors import ParamError
 FIELD = "kv_transfer_params"
 _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _KEYS = ("do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_block_ids",
-         "remote_host", "remote_port", "remote_request_id")
+         "remote_host", "remote_port", "remote_request_id", "tp_size")
 
 
 def _error(key: str, message: str) -> ParamError:
@@ -36,6 +36,7 @@ class KVTransferParams:
     remote_host: str | None = None
     remote_port: int | None = None
     remote_request_id: str | None = None
+    tp_size: int | None = None  # the prefill instance's tensor-parallel size
 
     @classmethod
     def from_dict(cls, values: object) -> KVTransferParams:
@@ -52,7 +53,7 @@ class KVTransferParams:
         params = cls(v.get("do_remote_decode", False), v.get("do_remote_prefill", False),
                      _opt_id(v, "remote_engine_id"), _block_ids(v.get("remote_block_ids")),
                      _opt_str(v, "remote_host"), _opt_port(v.get("remote_port")),
-                     _opt_id(v, "remote_request_id"))
+                     _opt_id(v, "remote_request_id"), _opt_tp_size(v.get("tp_size")))
         if params.do_remote_decode and params.do_remote_prefill:
             raise _error("do_remote_prefill", "and do_remote_decode cannot both be true")
         if params.do_remote_prefill:
@@ -68,7 +69,7 @@ class KVTransferParams:
                 "remote_engine_id": self.remote_engine_id,
                 "remote_block_ids": list(self.remote_block_ids),
                 "remote_host": self.remote_host, "remote_port": self.remote_port,
-                "remote_request_id": self.remote_request_id}
+                "remote_request_id": self.remote_request_id, "tp_size": self.tp_size}
 
 
 def parse_kv_transfer_params(values: object) -> KVTransferParams | None:
@@ -93,6 +94,13 @@ def _opt_port(value: object) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                               or not 0 <= value <= 65535):
         raise _error("remote_port", f"must be an integer from 0 to 65535, got {value!r}")
+    return value
+
+
+def _opt_tp_size(value: object) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not 1 <= value <= 1024):
+        raise _error("tp_size", f"must be an integer from 1 to 1024, got {value!r}")
     return value
 
 

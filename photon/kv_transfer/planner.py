@@ -33,8 +33,8 @@ class Load:
 
 class PlannedConnector(KVConnectorBase):
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, engine_id: str,
-                 block_size: int) -> None:
-        super().__init__(config, role, engine_id, block_size)
+                 block_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(config, role, engine_id, block_size, tp_rank, tp_size)
         self.extra = config.extra
         self._loads_planned: list[LoadSpec] = []
         self._saves_planned: list[SaveSpec] = []
@@ -52,7 +52,7 @@ class PlannedConnector(KVConnectorBase):
         """What a decode instance is told of a saved transfer (where to find it)."""
         return KVTransferParams(do_remote_prefill=True, remote_engine_id=self.engine_id,
                                 remote_block_ids=list(block_ids), remote_host="localhost",
-                                remote_request_id=transfer_id)
+                                remote_request_id=transfer_id, tp_size=self.tp_size)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:

@@ -24,8 +24,11 @@ def segment_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def segment_path(directory: str, rendezvous: str, engine_id: str, transfer_id: str) -> str:
-    return os.path.join(directory, f"photon-kv-{rendezvous}-{engine_id}-{transfer_id}")
+def segment_path(directory: str, rendezvous: str, engine_id: str, transfer_id: str,
+                 tp_rank: int = 0) -> str:
+    """The file of one tensor-parallel rank's shard of a transfer (rank 0's carries no rank)."""
+    rank = f".rank{tp_rank}" if tp_rank else ""
+    return os.path.join(directory, f"photon-kv-{rendezvous}-{engine_id}-{transfer_id}{rank}")
 
 
 def peer_alive(engine_id: str) -> bool:

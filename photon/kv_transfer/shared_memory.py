@@ -9,6 +9,9 @@ Consumer (kv_consumer / kv_both): a request sent with `do_remote_prefill` gets i
 transfer thread waits for the file (bounded by timeout_s and the producer's liveness) and copies
 the blocks the local prefix cache did not already hold into them. Nothing waits in the engine
 loop: get_finished polls the threads.
+
+Tensor parallelism: every rank's worker side saves and loads its own KV shard, in a file of its
+own (segment.segment_path's rank); the engine learns a transfer finished once every rank did.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ if TYPE_CHECKING:
 @dataclass
 class _Send:
     path: str
-    future: Future[int]
-    lease_start: float | None = None
+    future: Future[int] | None = None  # set at once, before any get_finished
+    lease_start: float = 0.0  # set by the transfer thread before the future is done
 
 
 @dataclass
@@ -48,8 +51,8 @@ class SharedMemoryConnector(PlannedConnector):
     name = "SharedMemoryConnector"
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, engine_id: str,
-                 block_size: int) -> None:
-        super().__init__(config, role, engine_id, block_size)
+                 block_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(config, role, engine_id, block_size, tp_rank, tp_size)
         # worker side
         self._dir = segment.segment_dir()
         self._caches: list[torch.Tensor] = []
@@ -64,7 +67,8 @@ class SharedMemoryConnector(PlannedConnector):
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="photon-kv")
 
     def _path(self, engine_id: str, transfer_id: str) -> str:
-        return segment.segment_path(self._dir, self.extra.rendezvous, engine_id, transfer_id)
+        return segment.segment_path(self._dir, self.extra.rendezvous, engine_id, transfer_id,
+                                    self.tp_rank)
 
     def submit_load(self, spec: LoadSpec, deadline: float) -> Future[int]:
         return self._pool.submit(self._load, spec, deadline)
@@ -114,10 +118,13 @@ class SharedMemoryConnector(PlannedConnector):
             event.record()
         for g in self._gathered:
             path = self._path(self.engine_id, g.spec.transfer_id)
-            self._sends[g.spec.key] = _Send(path, self._pool.submit(self._save, path, g, event))
+            send = _Send(path)
+            send.future = self._pool.submit(self._save, send, g, event)
+            self._sends[g.spec.key] = send
         self._gathered = []
 
-    def _save(self, path: str, g: _Gathered, event: torch.cuda.Event | None) -> int:
+    def _save(self, send: _Send, g: _Gathered, event: torch.cuda.Event | None) -> int:
+        path = send.path
         try:
             if event is not None:
                 event.synchronize()
@@ -129,6 +136,8 @@ class SharedMemoryConnector(PlannedConnector):
             self.count(bytes_sent=nbytes, send_seconds=time.monotonic() - t0, num_sent=1)
             return nbytes
         finally:
+            # The lease runs from here on every rank alike, however late get_finished looks.
+            send.lease_start = time.monotonic()
             self._progress.set()
 
     def get_finished(self) -> tuple[set[int], set[int]]:
@@ -145,8 +154,6 @@ class SharedMemoryConnector(PlannedConnector):
             segment.remove(send.path + ".tmp")
             return True
         now = time.monotonic()
-        if send.lease_start is None:
-            send.lease_start = now
         published = self.extra.inject_fault != "delay"
         if not os.path.exists(send.path if published else send.path + ".tmp"):
             return True  # the consumer removed it: acknowledged

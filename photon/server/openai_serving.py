@@ -242,6 +242,11 @@ class Serving:
         if num_prompts != 1 or n != 1:
             raise bad_request(f"kv_transfer_params applies to one prompt with n=1 (got "
                               f"{num_prompts} prompts, n={n})", "kv_transfer_params")
+        if self.core.config.kv_transfer_config is not None:  # e.g. a remote_host not allowed
+            try:
+                self.core.checks.kv_transfer_params(kv_transfer_params, n)
+            except ValueError as e:
+                raise invalid_value(e, default="kv_transfer_params") from None
 
     # ---- running ------------------------------------------------------------------------------
     async def start(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
