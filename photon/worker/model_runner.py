@@ -21,20 +21,18 @@ import math
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from photon.attention.backend import AttentionMetadata, ForwardContext, create_backend
 from photon.attention.kv_quant import CheckpointKVScales, build_kv_scales, kv_cache_dtype
-from photon.config import EngineConfig, check_kv_capacity, flag
+from photon.config import EngineConfig, check_kv_capacity
 from photon.core.inputs import StepInputs, float_arrays, int_arrays
 from photon.core.runner import MaskSource
 from photon.core.step import (
     CommittedToken,
     PromptScores,
-    ScheduledRow,
     StepPlan,
     request_table_size,
 )
@@ -52,43 +50,24 @@ from photon.worker.cuda_graph import GraphModel, staged_rows
 from photon.worker.decode_inputs import build_decode_inputs, is_plain_decode
 from photon.worker.draft_runner import DraftRunner, kv_block_bytes
 from photon.worker.inputs import HostStep, build_step_inputs
-from photon.worker.probe import StepMarks, StepProbe
+from photon.worker.kv_sizing import usable_blocks
+from photon.worker.probe import StepProbe
 from photon.worker.request_table import RequestTable
 from photon.worker.sampler import Sampler, SamplingBatch, token_logprobs
 from photon.worker.slots import StepSlot, Streams
-from photon.worker.spec_graphs import GraphKey, StepGraphs
+from photon.worker.spec_graphs import StepGraphs
 from photon.worker.spec_step import SpecDecoder
+from photon.worker.step_results import (
+    PreparedStep,
+    StepHandle,
+    committed_tokens,
+    first_sampled_ids,
+    prompt_scores,
+)
 
-CPU_DEFAULT_KV_BYTES = 256 << 20
 # Prompt positions whose logits are computed at once for prompt logprobs: bounds the [N, V]
 # float32 logits (and their log-softmax) however long the chunk is.
 PROMPT_LOGITS_CHUNK = 256
-
-
-@dataclass
-class PreparedStep:
-    slot: StepSlot
-    rows: list[ScheduledRow]
-    host: HostStep
-    dev: StepInputs[torch.Tensor]  # device views of the staged inputs (valid after the upload)
-    graph_key: GraphKey | None
-    step: int  # the plan's step number
-    propose: bool  # the plan's: propose drafts after sampling
-    lora_loads: list[StagedLoad] = field(default_factory=list)  # into slots before the forward
-
-
-@dataclass
-class StepHandle:
-    slot: StepSlot
-    rows: list[ScheduledRow]
-    host: HostStep
-    dev: StepInputs[torch.Tensor]
-    logits: torch.Tensor | None
-    step: int
-    propose: bool
-    num_sampled: int = 0  # rows that sample (grammar masks: one each)
-    max_logprobs: int = -1
-    marks: StepMarks | None = None  # set only while a StepProbe is attached (benchmarks)
 
 
 class ModelRunner:
@@ -208,41 +187,11 @@ class ModelRunner:
     def _num_blocks(self) -> int:
         """Usable blocks + the reserved null block 0. Refuses to start when one max_model_len
         request would not fit (every long request would fail)."""
-        usable, remedy = self._usable_blocks()
+        usable, remedy = usable_blocks(self.config, self.device,
+                                       self.kv_bytes_per_block())
         usable = self.tp.min_int(usable)  # the block ids every rank can hold
         check_kv_capacity(usable, self.block_size, self.config.model.max_model_len, remedy)
         return usable + 1
-
-    def _usable_blocks(self) -> tuple[int, str]:
-        """The KV blocks requests can use, and what raises their number."""
-        cache = self.config.cache
-        if cache.num_gpu_blocks_override is not None:
-            return cache.num_gpu_blocks_override, f"raise {flag('num_gpu_blocks_override')}"
-        if cache.kv_cache_memory_bytes is not None:
-            budget = cache.kv_cache_memory_bytes
-            remedy = f"raise {flag('kv_cache_memory_bytes')}"
-        elif self.device.type == "cuda":
-            budget = self._cuda_kv_budget()
-            remedy = f"raise {flag('gpu_memory_utilization')} (or free GPU memory)"
-        else:
-            budget = CPU_DEFAULT_KV_BYTES
-            remedy = (f"set {flag('kv_cache_memory_bytes')} above the CPU default of "
-                      f"{CPU_DEFAULT_KV_BYTES >> 20} MiB")
-        sched = self.config.scheduler
-        useful = sched.max_num_seqs * math.ceil(self.config.model.max_model_len / self.block_size)
-        return max(0, min(budget // self.kv_bytes_per_block() - 1, useful)), remedy
-
-    def _cuda_kv_budget(self) -> int:
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
-        # Activation headroom: logits of a full batch (fp32, a few copies in the sampler) plus the
-        # hidden states of a full token budget, with margin.
-        sched, mc = self.config.scheduler, self.config.model
-        act = 6 * sched.max_num_seqs * mc.vocab_size * 4
-        act += 24 * sched.max_num_batched_tokens * int(mc.hf_config["hidden_size"]) * 4
-        budget = int(total * self.config.cache.gpu_memory_utilization) - used_by_others
-        budget -= torch.cuda.memory_allocated(self.device) + act + (1 << 30)
-        return max(budget, 0)
 
     # ---- the request table ----------------------------------------------------------------
     def _apply_table_changes(self, plan: StepPlan) -> None:
@@ -489,57 +438,14 @@ class ModelRunner:
         """commit's wait: sync, then each row's committed tokens (and logprobs, the step's most
         alternatives) as Python values: one per plain sampling row, 1 to K + 1 per speculative
         row, none for rows that do not sample."""
-        result: list[list[CommittedToken]] = [[] for _ in h.rows]
         self.sync(h)
-        n, k = h.host.num_virtual, h.max_logprobs
-        if n == 0:
-            return result
-        host = h.slot.output_views(n, max(k, 0), host=True)
-        tokens = host.tokens.tolist()
-        widths = h.host.widths
-        if widths is not None:
-            self.spec.count(tokens, widths)
-        if k >= 0:
-            lps, ranks = host.logprob.tolist(), host.ranks.tolist()
-            top_ids, top_lps = host.topk_ids.tolist(), host.topk_lp.tolist()
-        rows = h.host.sample_rows
-        if widths is None and k < 0:  # the common step: one token per row, no logprobs
-            for i, t in zip(rows, tokens):
-                if t >= 0:
-                    result[i] = [CommittedToken(t)]
-            return result
-        at = 0
-        for j, i in enumerate(rows):
-            end = at + (1 if widths is None else widths[j])
-            result[i] = [CommittedToken(tokens[v]) if k < 0 else
-                         CommittedToken(tokens[v], lps[v], ranks[v], top_ids[v], top_lps[v])
-                         for v in range(at, end) if tokens[v] >= 0]
-            at = end
-        return result
+        return committed_tokens(h, self.spec)
 
     def sampled_ids(self, h: StepHandle) -> np.ndarray:
         """The first token of each sampling row in sampling order (a view of its host buffer
         when no row speculates: read it before the slot's next step is staged)."""
-        widths = h.host.widths
-        if widths is None:
-            return h.slot.out_i_host[:h.num_sampled].numpy()
-        first = np.cumsum([0, *widths[:-1]])
-        return h.slot.out_i_host[:h.host.num_virtual].numpy()[first]
+        return first_sampled_ids(h)
 
     def prompt_scores(self, h: StepHandle) -> list[PromptScores]:
         """Step `h`'s prompt logprobs as Python values (after its wait: no further sync)."""
-        spans = h.host.prompt_spans
-        if not spans:
-            return []
-        total = sum(s.count for s in spans)
-        host = h.slot.prompt_views(total, max(h.host.prompt_k, 0), host=True)
-        lps, ranks = host.logprob.tolist(), host.ranks.tolist()
-        top_ids, top_lps = host.topk_ids.tolist(), host.topk_lp.tolist()
-        scores, at = [], 0
-        for s in spans:
-            end = at + s.count
-            scores.append(PromptScores(
-                h.rows[s.row].req_index, s.first, lps[at:end], ranks[at:end],
-                [ids[:s.k] for ids in top_ids[at:end]], [v[:s.k] for v in top_lps[at:end]]))
-            at = end
-        return scores
+        return prompt_scores(h)
