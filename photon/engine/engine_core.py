@@ -30,6 +30,7 @@ from photon.core.step import request_table_size
 from photon.distributed.dp_experts import join_dp_experts
 from photon.distributed.kv_reports import RankedConnector
 from photon.distributed.workers import PlanBroadcast, TPWorkers
+from photon.engine.core_outputs import DeltaState, request_output
 from photon.engine.detokenizer import IncrementalDetokenizer
 from photon.engine.kv_cache import KVCacheManager
 from photon.engine.logprobs import TokenTexts
@@ -44,7 +45,7 @@ from photon.kv_transfer.metadata import KVTransferStats
 from photon.lora.manager import EngineLoRA, LoRAStats
 from photon.lora.request import LoRARequest
 from photon.lora.slots import LoRASlotPool
-from photon.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
+from photon.outputs import RequestOutput
 from photon.reasoning import ReasoningParser, get_reasoning_parser
 from photon.sampling_params import SamplingParams
 from photon.spec.adaptive import AdaptiveSpec
@@ -70,13 +71,6 @@ class EngineStats:
     kv_events_dropped: int = 0  # KV event batches dropped: the publisher's queue was full
     kv_transfer: KVTransferStats | None = None  # cumulative; None without a KV connector
     lora: LoRAStats | None = None  # None without --enable-lora
-
-
-@dataclass
-class _DeltaState:
-    sent_tokens: list[int]  # per child: output tokens already reported
-    finish_sent: list[bool]
-    prompt_logprobs_sent: bool = False  # delivered once, in the first output after they are done
 
 
 def _freeze_startup_heap() -> None:
@@ -148,7 +142,7 @@ class EngineCore:
         self.parents: dict[str, list[Request]] = {}  # request id -> its n children
         self._aborted: list[str] = []  # reported by the next step()
         self._final_only: set[str] = set()
-        self._delta: dict[str, _DeltaState] = {}
+        self._delta: dict[str, DeltaState] = {}
         try:  # last: a bad endpoint fails here, with nothing else left to undo but the workers
             self.kv_events = create_publisher(events, config.parallel.data_parallel_rank)
         except BaseException:
@@ -228,7 +222,7 @@ class EngineCore:
         if not stream:
             self._final_only.add(request_id)
         if delta:
-            self._delta[request_id] = _DeltaState([0] * params.n, [False] * params.n)
+            self._delta[request_id] = DeltaState([0] * params.n, [False] * params.n)
         return request_id
 
     def check_lora(self, lora: LoRARequest | None) -> None:
@@ -357,66 +351,7 @@ class EngineCore:
         return sched.promote_grammars()
 
     def make_output(self, parent_id: str) -> RequestOutput:
-        children = self.parents[parent_id]
-        first = children[0]
-        state = self._delta.get(parent_id)
-        if state is not None:
-            outs = [self._delta_output(r, state) for r in children]
-        else:
-            outs = self._cumulative_outputs(children)
-        scheduled = [r.scheduled_time for r in children if r.scheduled_time is not None]
-        metrics = RequestMetrics(first.arrival_time, min(scheduled) if scheduled else None)
-        error = next((r.error for r in children if r.error is not None), None)
-        # Delta outputs go out every step: share the prompt ids instead of copying them each time.
-        prompt_ids = first.prompt_token_ids if state is not None else list(first.prompt_token_ids)
-        return RequestOutput(parent_id, first.prompt, prompt_ids, outs,
-                             finished=all(r.finished for r in children), metrics=metrics,
-                             prompt_logprobs=self._prompt_logprobs(first, state),
-                             num_cached_tokens=first.num_cached_tokens, error=error,
-                             kv_transfer_params=first.kv_transfer_params_out)
-
-    @staticmethod
-    def _prompt_logprobs(first: Request, state: _DeltaState | None) -> PromptLogprobs | None:
-        """Once complete: every time, or once in delta mode."""
-        if first.prompt_logprobs is None or not first.prompt_logprobs_done:
-            return None
-        if state is None:
-            return list(first.prompt_logprobs)
-        if state.prompt_logprobs_sent:
-            return None
-        state.prompt_logprobs_sent = True
-        return first.prompt_logprobs
-
-    @staticmethod
-    def _delta_output(r: Request, state: _DeltaState) -> CompletionOutput:
-        start, end = state.sent_tokens[r.index], len(r.output_token_ids)
-        state.sent_tokens[r.index] = end
-        finish = None
-        if r.finished and not state.finish_sent[r.index]:
-            state.finish_sent[r.index] = True
-            finish = r.finish_reason.value if r.finish_reason else None
-        want_lp = r.params.logprobs is not None
-        return CompletionOutput(
-            index=r.index,
-            text=r.detokenizer.get_delta(finished=r.finished) if r.detokenizer else "",
-            token_ids=r.output_token_ids[start:end],
-            cumulative_logprob=r.cumulative_logprob if want_lp else None,
-            logprobs=r.logprobs[start:end] if want_lp else None,
-            finish_reason=finish,
-            stop_reason=r.stop_reason if finish else None,
-        )
-
-    @staticmethod
-    def _cumulative_outputs(children: list[Request]) -> list[CompletionOutput]:
-        return [CompletionOutput(
-            index=r.index,
-            text=r.detokenizer.output_text if r.detokenizer else "",
-            token_ids=list(r.output_token_ids),
-            cumulative_logprob=r.cumulative_logprob if r.params.logprobs is not None else None,
-            logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
-            finish_reason=r.finish_reason.value if r.finish_reason else None,
-            stop_reason=r.stop_reason,
-        ) for r in children]
+        return request_output(parent_id, self.parents[parent_id], self._delta.get(parent_id))
 
     def stats(self) -> EngineStats:
         sched, kv = self.scheduler, self.kv
