@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import signal
+from collections.abc import Iterator
 
 import pytest
 
@@ -20,3 +22,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _sigint_left_as_found() -> Iterator[None]:
+    """A test that leaves a SIGINT handler installed, or SIGINT blocked, in this process would
+    make later tests' Ctrl-C behave differently: it fails here, naming itself, and the default
+    is put back."""
+    yield
+    handler = signal.getsignal(signal.SIGINT)
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    if handler is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    assert handler is signal.default_int_handler and not blocked, \
+        f"the test left SIGINT {'blocked' if blocked else f'handled by {handler!r}'}"

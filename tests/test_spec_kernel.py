@@ -57,7 +57,7 @@ def on_device(*tensors):
 @pytest.mark.parametrize("filters", ["", "k", "kp", "mkp"])
 def test_kernel_matches_torch(with_probs: bool, filters: str) -> None:
     vocab = 37
-    for seed in (0, 10):
+    for seed in (len(filters) + 10 * with_probs,):  # one draw per case: the cases vary it
         args = on_device(*inputs(vocab, with_probs, seed))
         batch = batch_for(filters, vocab)
         fused = verify(*args, batch, fused=True)
