@@ -190,3 +190,19 @@ def engine_pair(local: EngineConfig, remote: EngineConfig
     finally:
         front.shutdown()
         in_process.shutdown()
+
+
+def spy_core_assignment(llm: AsyncLLM, monkeypatch: object) -> dict[str, int]:
+    """The core index each request of a multi-core `llm` is sent to, by caller's id, recorded
+    from now on (`monkeypatch` undoes the spy)."""
+    cores = llm.cores
+    seen: dict[str, int] = {}
+    real = cores.assign
+
+    def spy(core_id: str) -> object:
+        client = real(core_id)
+        seen[core_id.rsplit("#", 1)[0]] = cores.clients.index(client)
+        return client
+
+    monkeypatch.setattr(cores, "assign", spy)
+    return seen

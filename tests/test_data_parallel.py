@@ -26,7 +26,14 @@ from photon.engine.core_group import CoreGroup, visible_devices_for
 from photon.engine.messages import Abort
 from photon.engine_args import EngineArgs
 from photon.sampling_params import SamplingParams
-from tests.engine_pair import Case, differences, engine_pair, run_cases, wait_drained
+from tests.engine_pair import (
+    Case,
+    differences,
+    engine_pair,
+    run_cases,
+    spy_core_assignment,
+    wait_drained,
+)
 from tests.serve_process import cmdline, serve_process, wait_all_gone
 from tests.server_util import TINY_ARGS, api_server_count
 
@@ -50,17 +57,7 @@ def pair() -> Iterator[tuple[AsyncEngine, AsyncLLM]]:
 def assigned(pair: tuple[AsyncEngine, AsyncLLM], monkeypatch: pytest.MonkeyPatch
              ) -> dict[str, int]:
     """The core index each request of the DP=2 engine was sent to (by caller's id)."""
-    cores = pair[1].cores
-    seen: dict[str, int] = {}
-    real = cores.assign
-
-    def spy(core_id: str) -> Any:
-        client = real(core_id)
-        seen[core_id.rsplit("#", 1)[0]] = cores.clients.index(client)
-        return client
-
-    monkeypatch.setattr(cores, "assign", spy)
-    return seen
+    return spy_core_assignment(pair[1], monkeypatch)
 
 
 def _ids(pair: tuple[AsyncEngine, AsyncLLM], text: str) -> list[int]:

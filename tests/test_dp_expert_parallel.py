@@ -32,7 +32,14 @@ from photon.engine.lockstep import Lockstep
 from photon.engine_args import EngineArgs
 from photon.model.layers.moe import FusedMoE
 from photon.sampling_params import SamplingParams
-from tests.engine_pair import Case, differences, engine_pair, run_cases, wait_drained
+from tests.engine_pair import (
+    Case,
+    differences,
+    engine_pair,
+    run_cases,
+    spy_core_assignment,
+    wait_drained,
+)
 from tests.hf_models import QWEN3_MOE, make_engine_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -67,17 +74,7 @@ def pair(model_path: str) -> Iterator[tuple[AsyncEngine, AsyncLLM]]:
 def assigned(pair: tuple[AsyncEngine, AsyncLLM], monkeypatch: pytest.MonkeyPatch
              ) -> dict[str, int]:
     """The core index each request of the lockstep engine was sent to (by caller's id)."""
-    cores = pair[1].cores
-    seen: dict[str, int] = {}
-    real = cores.assign
-
-    def spy(core_id: str) -> Any:
-        client = real(core_id)
-        seen[core_id.rsplit("#", 1)[0]] = cores.clients.index(client)
-        return client
-
-    monkeypatch.setattr(cores, "assign", spy)
-    return seen
+    return spy_core_assignment(pair[1], monkeypatch)
 
 
 def _greedy(max_tokens: int) -> SamplingParams:

@@ -10,13 +10,12 @@ mistake is a ConfigError naming the key and what is allowed.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from photon.config import ConfigError
+from photon.config import ConfigError, json_object_arg
 from photon.errors import ParamError
 
 if TYPE_CHECKING:
@@ -199,12 +198,4 @@ def parse_kv_transfer_config(value: object) -> KVTransferConfig | None:
     -> a checked KVTransferConfig, or None (no disaggregation)."""
     if value is None or isinstance(value, KVTransferConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{FLAG} must be a JSON object such as {_EXAMPLE}; {e}") from None
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{FLAG} must be a JSON object (a dict in Python) such as "
-                          f"{_EXAMPLE}; got {value!r}")
-    return KVTransferConfig.from_dict(value)
+    return KVTransferConfig.from_dict(json_object_arg(value, FLAG, _EXAMPLE))
