@@ -13,10 +13,10 @@ from photon.engine.async_engine import EngineDeadError
 from photon.outputs import SampleLogprobs
 from photon.reasoning import ReasoningSplitter
 from photon.server.errors import bad_request, error_body
-from photon.server.openai_serving import (
+from photon.server.openai_serving import Run, Serving
+from photon.server.protocol import ChatCompletionRequest, sse_event
+from photon.server.responses import (
     ChoiceState,
-    Run,
-    Serving,
     choice_updates,
     clamp_logprob,
     token_logprob,
@@ -24,7 +24,6 @@ from photon.server.openai_serving import (
     usage,
     with_kv_transfer_params,
 )
-from photon.server.protocol import ChatCompletionRequest, sse_event
 from photon.server.structured import precompile
 from photon.server.tool_parsers import ToolCallStream, get_tool_parser
 from photon.server.tools import ToolPlan, plan_tools

@@ -19,10 +19,10 @@ from fastapi.responses import Response
 from photon.engine.async_engine import EngineDeadError
 from photon.outputs import CompletionOutput, PromptLogprobs, SampleLogprobs
 from photon.server.errors import bad_request, error_body
-from photon.server.openai_serving import (
+from photon.server.openai_serving import Run, Serving
+from photon.server.protocol import CompletionRequest, sse_event
+from photon.server.responses import (
     ChoiceState,
-    Run,
-    Serving,
     choice_updates,
     clamp_logprob,
     token_logprob,
@@ -30,7 +30,6 @@ from photon.server.openai_serving import (
     usage,
     with_kv_transfer_params,
 )
-from photon.server.protocol import CompletionRequest, sse_event
 
 
 class CompletionHandler:
