@@ -287,6 +287,7 @@ def _summary(ns: argparse.Namespace, llm: Any, workload: Workload, elapsed: floa
 
     cfg = llm.config
     label = device_label(cfg.device)
+    tp = cfg.parallel.tensor_parallel_size
     prompt_tokens, _ = totals(workload)
     out_tps = output_tokens / elapsed
     roof = _roofline(llm, workload, ceilings)
@@ -296,13 +297,14 @@ def _summary(ns: argparse.Namespace, llm: Any, workload: Workload, elapsed: floa
         "output_tokens": output_tokens, "prompt_tokens": prompt_tokens, "elapsed_s": elapsed,
         "output_tok_per_s": out_tps, "total_tok_per_s": (prompt_tokens + output_tokens) / elapsed,
         **roof, "roofline_fraction": fraction,
-        **cost_fields(ns.gpu_cost_per_hour, 1, out_tps),  # photon runs on one GPU
+        **cost_fields(ns.gpu_cost_per_hour, tp, out_tps),  # one GPU per tensor-parallel rank
         f"peak_{label}_memory_bytes": _peak_memory(cfg.device), **gpu_info(cfg.device),
         "pipelined": cfg.pipelined, "model": cfg.model.served_model_name,
         "model_shape": ns.model_shape if ns.model is None else None,
         "num_prompts": len(workload), "max_num_seqs": cfg.scheduler.max_num_seqs,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
-        "max_model_len": cfg.model.max_model_len,
+        "max_model_len": cfg.model.max_model_len, "tensor_parallel_size": tp,
+        "enable_expert_parallel": cfg.parallel.enable_expert_parallel,
         "dtype": str(cfg.model.dtype).removeprefix("torch."),
         "attention_backend": getattr(llm.engine.runner.backend, "name", "")
         or cfg.attention_backend,
