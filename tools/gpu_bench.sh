@@ -292,10 +292,11 @@ parallel_serve() {  # parallel_serve SHAPE: served at -tp 2, -tp 2 EP and -dp 2 
 
 step_router() {
   two_gpus router || return 0
-  # 64 conversations x 6 turns, 2,048-token system prompts in 16 groups (the tool's defaults);
-  # 2,048 blocks of 16 tokens per replica cannot hold every conversation's history.
+  # 64 conversations x 6 turns of 64 + 128 tokens, 2,048-token system prompts in 16 groups (the
+  # tool's defaults): ~6,600 blocks of 16 tokens of distinct prefixes, more than one replica's
+  # 4,096 hold, fewer than two replicas' (or the reference's 8,192).
   run python3 tools/bench_router.py --replicas 2 --devices 0 1 --model-shape qwen3-0.6b \
-    --num-blocks 2048 --restart-between --output-dir "$out/router"
+    --num-blocks 4096 --restart-between --output-dir "$out/router"
 }
 
 step_pd() {  # one prefill + one decode instance vs two aggregated ones, GPU 0 and GPU 1
