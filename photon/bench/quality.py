@@ -61,6 +61,12 @@ def add_parser(bench_sub: Any) -> None:
     g.add_argument("--prompt-len", type=int, default=64, help="Their length (default 64).")
     g.add_argument("--greedy-tokens", type=int, default=32,
                    help="Tokens generated greedily per prompt (default 32).")
+    g.add_argument("--reference-model", default=None, metavar="DIR",
+                   help="The unquantized model to compare against (default: --model). Give it "
+                        "for a quantized checkpoint: the model it was quantized from (e.g. "
+                        "`photon quantize`'s --model).")
+    g.add_argument("--output-json", default=None, metavar="PATH",
+                   help="Also write the JSON summary to PATH.")
     add_engine_args(p)
     p.set_defaults(func=run_quality)
 
@@ -74,24 +80,32 @@ def run_quality(ns: argparse.Namespace) -> int:
                              f"{getattr(ns, name)}")
     args = engine_args_from(ns)
     report = measure_quality(args, ns)
-    fields = {"benchmark": "quality", "model": args.model, "quantization": args.quantization,
+    fields = {"benchmark": "quality", "model": args.model,
+              "reference_model": ns.reference_model or args.model,
+              "quantization": args.quantization,
               "kv_cache_dtype": args.kv_cache_dtype,
               "calculate_kv_scales": args.calculate_kv_scales,
               "data": ns.data or "random", **asdict(report), **gpu_info(args.device)}
-    print(json.dumps(fields), flush=True)
+    line = json.dumps(fields)
+    if ns.output_json:
+        with open(ns.output_json, "w", encoding="utf-8") as f:
+            f.write(line + "\n")
+    print(line, flush=True)
     return 0
 
 
-def reference_args(args: Any) -> Any:
-    """The same engine, unquantized: no --quantization, a model-dtype KV cache, bf16 on CUDA."""
+def reference_args(args: Any, reference_model: str | None = None) -> Any:
+    """The same engine, unquantized: no --quantization, a model-dtype KV cache, bf16 on CUDA;
+    `reference_model` (a quantized checkpoint's source) in place of the model if given."""
     dtype = "bfloat16" if on_cuda(args.device) else "float32"
-    return dataclasses.replace(args, dtype=dtype, **REF_FIELDS)
+    model = reference_model or args.model
+    return dataclasses.replace(args, model=model, dtype=dtype, **REF_FIELDS)
 
 
 def measure_quality(args: Any, ns: argparse.Namespace) -> QualityReport:
     from photon.bench.quality_data import load_token_windows
 
-    ref_args = reference_args(args)
+    ref_args = reference_args(args, ns.reference_model)
     config = args.create_config()
     windows = load_token_windows(ns.data, ns.num_windows, ns.window_len, config.model)
     prompts = load_token_windows(ns.data, ns.num_prompts, ns.prompt_len, config.model,

@@ -19,6 +19,15 @@ from typing import Any
 
 from photon.bench.cli import add_cost_args, check_cost_args, cost_fields, device_label, on_cuda
 from photon.bench.roofline import ModelCosts, kv_bytes_per_token, roofline_tok_per_s
+from photon.bench.throughput_lora import (
+    LoRABench,
+    add_lora_args,
+    assign,
+    check_lora_args,
+    lora_summary,
+    slot_loads,
+    write_adapters,
+)
 from photon.bench.workload import Workload, fit_vocab, standard_workload, totals
 
 WARMUP_MAX_TOKENS = 64  # the warm-up only has to touch every code path once
@@ -56,6 +65,7 @@ def add_parser(bench_sub: Any) -> None:
                     "memory-bandwidth roofline for comparison. A progress bar on stderr counts "
                     "finished prompts. Last stdout line: JSON summary.")
     _add_workload_args(p)
+    add_lora_args(p)
     add_model_source_args(p, default_shape=None)
     add_engine_args(p)
     p.set_defaults(func=run_throughput)
@@ -95,20 +105,24 @@ def run_throughput(ns: argparse.Namespace) -> int:
     _cpu_sized_defaults(ns)
     _check_ranges(ns)
     check_cost_args(ns)
+    lora = check_lora_args(ns)
     workload = standard_workload(ns.num_prompts, tuple(ns.input_len_range),
                                  tuple(ns.output_len_range), ns.workload_seed)
     with tempfile.TemporaryDirectory(prefix="photon-bench-") as workdir:
         args = _engine_args(ns, workdir)
+        adapters = _adapters(lora, args.model, workdir)
         ceilings = _ceilings(ns, args.device)  # before the engine takes the GPU's memory
         _log(f"building the engine for {args.model or 'photon-tiny'}")
         llm = LLM(**dataclasses.asdict(args))
         workload = fit_vocab(workload, llm.config.model.vocab_size)
         if ns.warmup_prompts > 0:
-            _warmup(llm, ns)
-        before = llm.engine.spec_stats()
-        elapsed, output_tokens = _timed_generate(llm, workload)
+            _warmup(llm, ns, adapters)
+        before, loads_before = llm.engine.spec_stats(), slot_loads(llm)
+        loras = assign(adapters, len(workload), lora.assignment, ns.workload_seed)
+        elapsed, output_tokens = _timed_generate(llm, workload, loras)
         summary = _summary(ns, llm, workload, elapsed, output_tokens, ceilings)
         summary.update(_spec_summary(before, llm.engine.spec_stats()))
+        summary.update(lora_summary(lora, llm, slot_loads(llm) - loads_before))
     if summary["dollars_per_million_output_tokens"] is not None:
         _log(f"cost: ${summary['dollars_per_million_output_tokens']:.4f} per million output "
              f"tokens at ${ns.gpu_cost_per_hour}/GPU-hour")
@@ -118,6 +132,16 @@ def run_throughput(ns: argparse.Namespace) -> int:
             f.write(line + "\n")
     print(line, flush=True)
     return 0
+
+
+def _adapters(lora: LoRABench, model: str | None, workdir: str) -> list[Any]:
+    """The synthetic LoRA adapters of the model, written under workdir (none when N = 0)."""
+    from photon.model.tiny import resolve_model_path
+
+    if lora.num_adapters == 0:
+        return []
+    _log(f"writing {lora.num_adapters} synthetic LoRA adapters of rank {lora.rank}")
+    return write_adapters(lora, resolve_model_path(model), workdir)
 
 
 def _spec_summary(before: Any, after: Any) -> dict[str, Any]:
@@ -171,12 +195,13 @@ def _sampling(workload: Workload, max_tokens_cap: int | None = None) -> list[Any
                            max_tokens=min(out, max_tokens_cap or out)) for _, out in workload]
 
 
-def _warmup(llm: Any, ns: argparse.Namespace) -> None:
+def _warmup(llm: Any, ns: argparse.Namespace, adapters: list[Any]) -> None:
     warm = standard_workload(ns.warmup_prompts, tuple(ns.input_len_range),
                              tuple(ns.output_len_range), ns.workload_seed + 1)
     warm = fit_vocab(warm, llm.config.model.vocab_size)
     _log(f"warm-up: {len(warm)} prompts, up to {WARMUP_MAX_TOKENS} output tokens each")
-    llm.generate([ids for ids, _ in warm], _sampling(warm, WARMUP_MAX_TOKENS), use_tqdm=False)
+    llm.generate([ids for ids, _ in warm], _sampling(warm, WARMUP_MAX_TOKENS), use_tqdm=False,
+                 lora_request=assign(adapters, len(warm), "round-robin", 0))
 
 
 def _sync(llm: Any) -> None:
@@ -186,13 +211,15 @@ def _sync(llm: Any) -> None:
         torch.cuda.synchronize()
 
 
-def _timed_generate(llm: Any, workload: Workload) -> tuple[float, int]:
+def _timed_generate(llm: Any, workload: Workload,
+                    loras: list[Any] | None) -> tuple[float, int]:
     prompt_tokens, want = totals(workload)
     _log(f"timing {len(workload)} prompts: {prompt_tokens} prompt, {want} output tokens")
     params = _sampling(workload)
     _sync(llm)
     start = time.perf_counter()
-    outputs = llm.generate([ids for ids, _ in workload], params, use_tqdm=True)
+    outputs = llm.generate([ids for ids, _ in workload], params, use_tqdm=True,
+                           lora_request=loras)
     _sync(llm)
     elapsed = time.perf_counter() - start
     got = sum(len(c.token_ids) for out in outputs for c in out.outputs)
@@ -260,6 +287,7 @@ def _summary(ns: argparse.Namespace, llm: Any, workload: Workload, elapsed: floa
 
     cfg = llm.config
     label = device_label(cfg.device)
+    tp = cfg.parallel.tensor_parallel_size
     prompt_tokens, _ = totals(workload)
     out_tps = output_tokens / elapsed
     roof = _roofline(llm, workload, ceilings)
@@ -269,13 +297,14 @@ def _summary(ns: argparse.Namespace, llm: Any, workload: Workload, elapsed: floa
         "output_tokens": output_tokens, "prompt_tokens": prompt_tokens, "elapsed_s": elapsed,
         "output_tok_per_s": out_tps, "total_tok_per_s": (prompt_tokens + output_tokens) / elapsed,
         **roof, "roofline_fraction": fraction,
-        **cost_fields(ns.gpu_cost_per_hour, 1, out_tps),  # photon runs on one GPU
+        **cost_fields(ns.gpu_cost_per_hour, tp, out_tps),  # one GPU per tensor-parallel rank
         f"peak_{label}_memory_bytes": _peak_memory(cfg.device), **gpu_info(cfg.device),
         "pipelined": cfg.pipelined, "model": cfg.model.served_model_name,
         "model_shape": ns.model_shape if ns.model is None else None,
         "num_prompts": len(workload), "max_num_seqs": cfg.scheduler.max_num_seqs,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
-        "max_model_len": cfg.model.max_model_len,
+        "max_model_len": cfg.model.max_model_len, "tensor_parallel_size": tp,
+        "enable_expert_parallel": cfg.parallel.enable_expert_parallel,
         "dtype": str(cfg.model.dtype).removeprefix("torch."),
         "attention_backend": getattr(llm.engine.runner.backend, "name", "")
         or cfg.attention_backend,
