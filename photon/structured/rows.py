@@ -24,7 +24,8 @@ to k + 1 tokens, up to its grammar's stop token. Gated rows are never speculativ
 runs a gated grammar request's rows plain until its gate opened).
 
 Invariant (checked at every fill): a grammar row's mask is built only once every output before
-its `out_index` was handed to its matcher.
+its `out_index` was handed to its matcher. (A speculative row's output index is resolved on the
+device; its fill follows the accepts of every step before it, so its matcher holds them too.)
 """
 
 from __future__ import annotations
