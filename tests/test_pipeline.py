@@ -6,6 +6,7 @@ after drain."""
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, given, settings
@@ -16,6 +17,7 @@ from photon.core.step import CommittedToken
 from photon.engine.engine_core import EngineCore
 from photon.engine.request import Request
 from photon.engine.scheduler import SchedulerOutput
+from photon.structured.step import NO_ENDS
 
 
 @dataclass
@@ -61,7 +63,7 @@ class Audit:
             self.by_key[req.key] = req
 
         def commit(step: SchedulerOutput, tokens: list[list[CommittedToken]],
-                   ended: frozenset[int] = frozenset()) -> list[Request]:
+                   ended: Mapping[int, int] = NO_ENDS) -> list[Request]:
             self.zombie_rows += sum(r.sample and q.finished
                                     for r, q in zip(step.plan.rows, step.requests))
             touched = orig_commit(step, tokens, ended)

@@ -1,8 +1,8 @@
 """Speculative decoding (n-gram proposer) in the engine: greedy gives exactly the tokens of greedy
 without speculation, pipelined equals blocking (same schedules, same tokens), and speculation
 combines with seeded sampling, top-k/top-p/min-p, penalties, logprobs, stop strings and ids,
-max_tokens, n > 1, aborts, preemption, prefix caching and grammar requests (plain rows beside
-speculative ones). Every run ends with a drain audit (no KV block used, no request index held)."""
+max_tokens, n > 1, aborts, preemption, prefix caching and grammar requests (tests/
+test_spec_grammar.py has more). Every run ends with a drain audit (no KV block used, no request index held)."""
 
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def test_prefix_caching_with_speculation() -> None:
     assert audit_p.core.kv.prefix_hits > 0
 
 
-def test_grammar_requests_run_as_plain_rows_beside_speculative_ones() -> None:
+def test_grammar_requests_speculate_beside_plain_ones() -> None:
     rng = random.Random(2)
     pattern = [rng.randrange(3, 1000) for _ in range(5)]
     grammar = SamplingParams(temperature=1.0, seed=3, max_tokens=80,
@@ -191,7 +191,7 @@ def test_grammar_requests_run_as_plain_rows_beside_speculative_ones() -> None:
 
 
 def test_which_requests_speculate() -> None:
-    """Grammar requests are plain (spec_k 0); the others speculate, min_tokens ones too."""
+    """Every request speculates with ngram: min_tokens and grammar ones too."""
     llm = _llm(True, 2)
     core = llm.engine
     core.add_request([5, 6, 7], GREEDY, request_id="plain")
@@ -199,7 +199,7 @@ def test_which_requests_speculate() -> None:
     core.add_request([5, 6, 7], SamplingParams(max_tokens=8, structured_outputs=SO(
         json=SCHEMA)), request_id="grammar")
     by_id = {r.request_id: r.spec_k for r in core.scheduler.requests.values()}
-    assert by_id == {"plain": 2, "min": 2, "grammar": 0}
+    assert by_id == {"plain": 2, "min": 2, "grammar": 2}
     for rid in ("plain", "min", "grammar"):
         core.abort(rid)
     while core.has_unfinished() or not core.pipeline.idle:

@@ -54,8 +54,9 @@ class StepRunner(Protocol):
         sample, one for plain sampling rows, 1 to K + 1 for speculative rows."""
 
     def sampled_ids(self, handle: Any) -> np.ndarray:
-        """The first token of each sampling row, in sampling order (after `wait`): the token of
-        plain rows (grammar rows are plain)."""
+        """Every sampling row's token, in sampling order (after `wait`): one per plain row,
+        K_eff + 1 per speculative row (its emitted tokens, then negative entries). The grammar's
+        masks follow the same rows."""
 
     def prompt_scores(self, handle: Any) -> list[PromptScores]:
         """The step's prompt logprobs (after `wait`)."""

@@ -48,6 +48,7 @@ from photon.lora.slots import LoRASlotPool
 from photon.outputs import RequestOutput
 from photon.reasoning import ReasoningParser, get_reasoning_parser
 from photon.sampling_params import SamplingParams
+from photon.spec import grammar_drafter, sampling_rows
 from photon.spec.adaptive import AdaptiveSpec
 from photon.spec.stats import SpecDecodingStats
 from photon.structured.manager import StructuredOutputManager
@@ -95,9 +96,11 @@ class EngineCore:
             else get_reasoning_parser(config.reasoning_parser)(self.tokenizer)
         self.structured = StructuredOutputManager(
             config.structured_outputs, self.tokenizer, config.model.vocab_size,
-            max_rows=config.scheduler.max_num_seqs, cuda=config.device == "cuda")
+            max_rows=sampling_rows(config), cuda=config.device == "cuda")
+        drafter = grammar_drafter(config)  # None: grammar requests do not speculate
         self.grammar = GrammarStep(self.structured,
-                                   request_table_size(config.scheduler.max_num_seqs))
+                                   request_table_size(config.scheduler.max_num_seqs),
+                                   drafter.propose if drafter is not None else None)
         # Names this instance's KV transfers (process id first: a peer can tell it is gone).
         self.engine_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         # tp > 1: ranks 1.. run in worker processes; this process is rank 0.
@@ -122,7 +125,8 @@ class EngineCore:
                                    TokenTexts(self.tokenizer) if detokenize else None,
                                    spec_k=spec.k if spec is not None else 0,
                                    max_model_len=config.model.max_model_len,
-                                   draft_lookahead=self.runner.draft_lookahead)
+                                   draft_lookahead=self.runner.draft_lookahead,
+                                   grammar_speculates=drafter is not None)
         if config.lora_config is not None:
             self.scheduler.lora = LoRASlotPool(config.lora_config.max_loras)
         self.lora = EngineLoRA(config.lora_config, self.scheduler, self.runner.lora,

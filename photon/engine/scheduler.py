@@ -52,19 +52,30 @@ class SchedulerOutput:
     spec_k: int = 0  # K_eff: the drafts the step's speculative rows verify
 
 
-def speculates(req: Request) -> bool:
-    """Whether a request may speculate (when the engine does). Requests with a grammar
-    (structured outputs) run as plain rows: their masks are per row. min_tokens speculates: the
-    sampler applies its stop-token bans per verified position from the device's output index."""
-    return req.grammar is None
+def speculates(req: Request, grammar_speculates: bool) -> bool:
+    """Whether a request may speculate (when the engine does). A request with a grammar
+    (structured outputs) does when the host can fill its mask at every verified position
+    (`grammar_speculates`: the ngram method, whose drafts the host recomputes); otherwise it runs
+    plain rows. min_tokens speculates: the sampler applies its stop-token bans per verified
+    position from the device's output index."""
+    return req.grammar is None or grammar_speculates
+
+
+def _gated(req: Request) -> bool:
+    """A grammar that starts after a token (the end of a reasoning block) not committed yet:
+    its rows stay plain (the gate must open at a row's one token, where the next mask is the
+    grammar's first)."""
+    return req.grammar is not None and not req.grammar.gate_passed
 
 
 class Scheduler(SchedulerCommit):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  token_text: TokenText | None = None, spec_k: int = 0,
-                 max_model_len: int = 1 << 30, draft_lookahead: int = 0) -> None:
+                 max_model_len: int = 1 << 30, draft_lookahead: int = 0,
+                 grammar_speculates: bool = False) -> None:
         self.config = config
         self.spec_k = spec_k  # num_speculative_tokens of speculative requests; 0: none
+        self.grammar_speculates = grammar_speculates  # requests with a grammar speculate too
         # KV positions a draft model writes past a speculative request's sampling row: its K
         # single-token steps after the row (0: no draft model)
         self.draft_lookahead = draft_lookahead
@@ -97,7 +108,7 @@ class Scheduler(SchedulerCommit):
     def add(self, request: Request) -> None:
         request.key = self._next_key
         self._next_key += 1
-        request.spec_k = self.spec_k if speculates(request) else 0
+        request.spec_k = self.spec_k if speculates(request, self.grammar_speculates) else 0
         self.requests[request.key] = request
         if request.grammar is not None:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
@@ -223,8 +234,10 @@ class Scheduler(SchedulerCommit):
         """Whether a live speculative request runs a plain row (positions from the host, the
         plain decode path) in a step verifying `k` drafts: its length is known on the host (no
         row in flight verifies drafts: each adds exactly one token) and the step verifies none,
-        or it has none to verify (its last sampling row proposed none: this one proposes)."""
-        return req.num_pending_max == req.num_pending and (k == 0 or not req.spec_drafted)
+        or it has none to verify (its last sampling row proposed none: this one proposes), or
+        its grammar's gate is closed."""
+        return req.num_pending_max == req.num_pending and (
+            k == 0 or not req.spec_drafted or _gated(req))
 
     def _plan_spec_row(self, req: Request, budget: int, out: SchedulerOutput, k: int) -> int:
         """A speculative row verifying `k` drafts for `req` if the budget and the KV cache

@@ -17,6 +17,7 @@ from photon.engine.request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
     from collections import deque
+    from collections.abc import Mapping
 
     from photon.engine.kv_cache import KVCacheManager
     from photon.engine.logprobs import TokenText
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
     from photon.engine.scheduler import SchedulerOutput
     from photon.lora.slots import LoRASlotPool
     from photon.spec.adaptive import SpecPolicy
+
+
+_NO_ENDS: dict[int, int] = {}  # never written
 
 
 def _measures_k_eff(step: SchedulerOutput) -> bool:
@@ -60,17 +64,17 @@ class SchedulerCommit:
         raise NotImplementedError
 
     def commit(self, step: SchedulerOutput, tokens: list[list[CommittedToken]],
-               grammar_ended: frozenset[int] = frozenset()) -> list[Request]:
-        """Apply one step's results: per row its committed tokens (`grammar_ended`: request
-        indices whose grammar took its stop token); return the requests that got a token or were
-        finished."""
+               grammar_ended: Mapping[int, int] = _NO_ENDS) -> list[Request]:
+        """Apply one step's results: per row its committed tokens (`grammar_ended`: by request
+        index, the grammars that took their stop token, as which of the row's tokens); return
+        the requests that got a token or were finished."""
         touched: list[Request] = []
         for row, req, toks in zip(step.plan.rows, step.requests, tokens):
             if row.sample:
                 req.num_pending -= 1
                 req.num_pending_max -= row.spec + 1
                 if not req.finished and toks:
-                    self._append_all(req, row, toks, row.req_index in grammar_ended)
+                    self._append_all(req, row, toks, grammar_ended.get(row.req_index, -1))
                     touched.append(req)
             req.inflight_refs -= 1
             if req.status is RequestStatus.RUNNING:
@@ -83,13 +87,17 @@ class SchedulerCommit:
         return touched
 
     def _append_all(self, req: Request, row: ScheduledRow, toks: list[CommittedToken],
-                    grammar_ended: bool) -> None:
+                    grammar_end: int) -> None:
         """Append a row's tokens one by one with the stop checks; those after a stop are
-        dropped. A speculative row's accepted drafts had their K/V computed by it."""
+        dropped (`grammar_end`: the index of the token that ended the grammar, or -1). A
+        speculative row's accepted drafts had their K/V computed by it."""
         if row.speculative and req.status is RequestStatus.RUNNING:
             req.num_computed_tokens += len(toks) - 1
-        for tok in toks:
-            self._append(req, tok, grammar_ended)
+        grammar = req.grammar
+        for i, tok in enumerate(toks):
+            self._append(req, tok, i == grammar_end)
+            if grammar is not None and tok.token_id == grammar.start_after:
+                grammar.gate_passed = True
             if req.finished:
                 break
 

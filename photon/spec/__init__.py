@@ -15,6 +15,7 @@ from photon.config import ConfigError
 
 if TYPE_CHECKING:
     from photon.config import EngineConfig
+    from photon.spec.ngram_host import HostNgram
 
 
 def check_supported(config: EngineConfig) -> None:
@@ -44,4 +45,23 @@ def check_supported(config: EngineConfig) -> None:
             f"row scores K + 1 positions), got {budget}")
 
 
-__all__ = ["check_supported"]
+def sampling_rows(config: EngineConfig) -> int:
+    """The most sampling rows (and grammar mask rows) a step has: K + 1 per speculative row."""
+    spec = config.speculative_config
+    return config.scheduler.max_num_seqs * (1 + (spec.k if spec is not None else 0))
+
+
+def grammar_drafter(config: EngineConfig) -> HostNgram | None:
+    """The host's n-gram proposal when requests with structured outputs speculate: with the
+    ngram method the host knows the drafts after each commit, so it fills a grammar mask for
+    every verified position. None: they run plain rows (no speculation, or a draft model, whose
+    drafts only the device knows)."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "ngram":
+        return None
+    from photon.spec.ngram_host import HostNgram
+
+    return HostNgram.of(spec, config.model.max_model_len)
+
+
+__all__ = ["check_supported", "grammar_drafter", "sampling_rows"]

@@ -2,7 +2,8 @@
 
 A backend compiles a `StructuredOutputsParams` into an opaque compiled grammar (thread-safe: the
 manager calls `compile` from a thread pool) and makes one `GrammarMatcher` per sequence from it.
-A matcher is advanced with committed tokens only, a step's at once (`accept_tokens`). The backend fills a step's next-token masks for
+A matcher is advanced with committed tokens, a step's at once (`accept_tokens`); a speculative
+row's drafts are accepted only while its masks are filled, then rolled back. The backend fills a step's next-token masks for
 many matchers at once (`fill_bitmasks`, on its own threads): rows of a packed int32 bitmask, bit
 `v % 32` of word `v // 32` set = token v allowed, `mask_words` words wide. A backend's rows may cover
 fewer ids than the model's vocabulary (a padded embedding); ids past `32 * mask_words` are never
@@ -30,6 +31,10 @@ class GrammarMatcher(Protocol):
 
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted: no more tokens."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (a speculative row's drafts, accepted only
+        to fill the masks of the positions after them)."""
 
 
 class GrammarBackend(Protocol):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -32,6 +32,8 @@ import torch
 
 from photon.structured.backend import GrammarBackend
 from photon.structured.bitmask import TokenMask
+
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 class GrammarExecutor(Protocol):
@@ -78,13 +80,18 @@ class GrammarExecutor(Protocol):
 
 @dataclass
 class StepJob:
-    """One step's grammar job: handle acc_handles[i] accepts acc_tokens[i], then row
-    fill_rows[i] of the mask is filled from handle fill_handles[i] (int64 arrays)."""
+    """One step's grammar job: handle acc_handles[i] accepts acc_tokens[i] (a handle's several
+    tokens in order: a speculative row's), then row fill_rows[i] of the mask is filled from handle
+    fill_handles[i] (int64 arrays). A speculative row's entry i also has fill_drafts[i] drafts
+    (the next ones of draft_tokens, in entry order; none if fill_drafts is empty): rows
+    fill_rows[i] + 1 .. + fill_drafts[i] get the masks after each of them (see `run_job`)."""
 
     acc_handles: np.ndarray
     acc_tokens: np.ndarray
     fill_rows: np.ndarray
     fill_handles: np.ndarray
+    fill_drafts: np.ndarray = field(default_factory=lambda: _NONE)
+    draft_tokens: np.ndarray = field(default_factory=lambda: _NONE)
 
     @property
     def empty(self) -> bool:
@@ -185,21 +192,91 @@ class InlineExecutor:
 def run_job(backend: GrammarBackend, matchers: dict[int, Any], job: StepJob,
             bits: torch.Tensor | None) -> list[int]:
     """One step's grammar job, wherever it runs (engine thread or grammar worker): the matchers
-    accept their tokens, then fill their rows of `bits`. A matcher that rejected its token gets
-    an all-ones row instead (its request aborts after the job). Returns the indices into the
-    accepts that were rejected."""
-    acc = [matchers[h] for h in job.acc_handles.tolist()]
-    ok = backend.accept_tokens(acc, job.acc_tokens.tolist()) if acc else []
-    rejected = [i for i, accepted in enumerate(ok) if not accepted]
-    dead = {id(acc[i]) for i in rejected}
-    rows, fill = [], []
-    for j, h in zip(job.fill_rows.tolist(), job.fill_handles.tolist()):
-        matcher = matchers[h]
-        if id(matcher) in dead:
-            bits[j] = -1
+    accept their tokens, then fill their rows of `bits`. A matcher that rejected a token gets
+    all-ones rows instead (its request aborts after the job). Returns the indices into the
+    accepts that were rejected (a handle's first refusal; its later tokens are skipped)."""
+    handles = job.acc_handles.tolist()
+    rejected = _accept(backend, matchers, handles, job.acc_tokens.tolist())
+    dead = {handles[i] for i in rejected}
+    counts = job.fill_drafts.tolist() if job.fill_drafts.size else None
+    drafts = job.draft_tokens.tolist()
+    rows, fill, spec = [], [], []
+    at = 0
+    for i, (j, h) in enumerate(zip(job.fill_rows.tolist(), job.fill_handles.tolist())):
+        n = counts[i] if counts is not None else 0
+        if h in dead:
+            bits[j:j + 1 + n] = -1
         else:
             rows.append(j)
-            fill.append(matcher)
+            fill.append(matchers[h])
+            if n:
+                spec.append(_Drafted(matchers[h], j, drafts[at:at + n]))
+        at += n
     if fill:
         backend.fill_bitmasks(fill, bits, rows)
+    if spec:
+        _fill_drafted(backend, spec, bits)
     return rejected
+
+
+def _accept(backend: GrammarBackend, matchers: dict[int, Any], handles: list[int],
+            tokens: list[int]) -> list[int]:
+    """tokens[i] into matcher handles[i], a handle's tokens in order: one batch call per level
+    (a matcher appears at most once in a call). Returns the indices refused; a matcher's tokens
+    after its refusal are not offered."""
+    pending, rejected, dead = list(range(len(handles))), [], set()
+    while pending:
+        level, rest, seen = [], [], set()
+        for i in pending:
+            h = handles[i]
+            if h in dead:
+                continue
+            (rest if h in seen else level).append(i)
+            seen.add(h)
+        ok = backend.accept_tokens([matchers[handles[i]] for i in level],
+                                   [tokens[i] for i in level])
+        for i, accepted in zip(level, ok):
+            if not accepted:
+                rejected.append(i)
+                dead.add(handles[i])
+        pending = rest
+    return rejected
+
+
+@dataclass
+class _Drafted:
+    """A speculative row's matcher while its draft positions are filled."""
+
+    matcher: Any
+    row: int  # the mask row of the row's first position
+    drafts: list[int]
+    taken: int = 0  # drafts accepted into the matcher (rolled back at the end)
+
+
+def _fill_drafted(backend: GrammarBackend, spec: list[_Drafted], bits: torch.Tensor) -> None:
+    """Rows row + 1 + l: the masks after drafts 0..l, level by level (one batch accept and fill
+    each). A draft the grammar refuses, or one that ends it, leaves the rows after it all-ones:
+    the verification rejects a refused draft at its own position (the target's masked
+    probability is 0), and after an accepted stop token nothing is committed, so no token
+    sampled there is ever emitted. Then every matcher rolls back what it took."""
+    active, level = spec, 0
+    try:
+        while active:
+            ok = backend.accept_tokens([d.matcher for d in active],
+                                       [d.drafts[level] for d in active])
+            go = []
+            for d, accepted in zip(active, ok):
+                d.taken += int(accepted)
+                if accepted and not d.matcher.is_terminated():
+                    go.append(d)
+                else:
+                    bits[d.row + level + 1:d.row + 1 + len(d.drafts)] = -1
+            if go:
+                backend.fill_bitmasks([d.matcher for d in go], bits,
+                                      [d.row + level + 1 for d in go])
+            level += 1
+            active = [d for d in go if len(d.drafts) > level]
+    finally:  # the matchers hold committed tokens only, also when a fill failed
+        for d in spec:
+            if d.taken:
+                d.matcher.rollback(d.taken)

@@ -231,6 +231,9 @@ class RequestGrammar:
         # Reasoning gate: the grammar starts after this token (the end of the reasoning) is
         # committed; until then masks allow all and the matcher sees nothing. None: no gate.
         self.start_after = start_after
+        # Whether start_after was committed (or there is none): the scheduler's view, updated at
+        # commit; a request speculates only once its gate passed.
+        self.gate_passed = start_after is None
         self._pinned = True  # its cache entry stays until its matcher is open (or it ends)
 
     def poll(self) -> bool:

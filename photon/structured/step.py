@@ -22,7 +22,7 @@ import numpy as np
 from photon.core.runner import StepMasks
 from photon.structured.bitmask import TokenMask, mask_numel
 from photon.structured.executor import StepJob
-from photon.structured.rows import GrammarRows, StepFills
+from photon.structured.rows import Drafter, GrammarRows, RowLayout, StepFills
 
 if TYPE_CHECKING:
     from photon.engine.request import Request
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from photon.structured.manager import StructuredOutputManager
 
 _NONE = np.zeros(0, dtype=np.int64)
-NO_ENDS: frozenset[int] = frozenset()
+NO_ENDS: dict[int, int] = {}  # never written: `begin` returns a new dict when a grammar ends
 
 
 @dataclass
@@ -39,7 +39,8 @@ class _PlannedGrammar:
 
     requests: list[Request]  # sampling order
     req: np.ndarray  # their request indices
-    counters: np.ndarray  # their output indices
+    counters: np.ndarray  # their output indices (-1: a speculative row's, the device's)
+    layout: RowLayout | None  # their mask rows when a row verifies drafts (None: one each)
     mask: TokenMask | None = None  # host views, once its fill was submitted
     fills: StepFills | None = None  # which rows its job fills (they accept at its commit)
 
@@ -53,9 +54,12 @@ class GrammarOutcome:
 
 
 class GrammarStep:
-    def __init__(self, manager: StructuredOutputManager, num_rows: int) -> None:
+    def __init__(self, manager: StructuredOutputManager, num_rows: int,
+                 drafter: Drafter | None = None) -> None:
+        """`drafter`: the host's n-gram proposal when grammar rows speculate (ngram method)."""
         self.manager = manager
         self.num_rows = num_rows
+        self.drafter = drafter
         self._rows: GrammarRows | None = None  # with the first grammar request
         self._assigned: set[int] = set()  # request indices holding a grammar row
         self._planned: dict[int, _PlannedGrammar] = {}  # by step number, until committed
@@ -68,7 +72,8 @@ class GrammarStep:
     def rows(self) -> GrammarRows:
         if self._rows is None:
             backend = self.manager.backend
-            self._rows = GrammarRows(self.num_rows, backend.stop_token_ids, backend.mask_words)
+            self._rows = GrammarRows(self.num_rows, backend.stop_token_ids, backend.mask_words,
+                                     self.drafter)
         return self._rows
 
     # ---- plan ---------------------------------------------------------------------------------
@@ -77,7 +82,7 @@ class GrammarStep:
         for i in out.plan.released:
             if i in self._assigned:
                 self._assigned.discard(i)
-                self.rows.handle[i] = -1
+                self.rows.release(i)
         for new, req in zip(out.plan.new_requests, out.admitted):
             if req.grammar is not None:
                 self.rows.assign(new.req_index, req)
@@ -88,17 +93,20 @@ class GrammarStep:
         sample = [j for j, r in enumerate(rows) if r.sample]
         req = np.fromiter((rows[j].req_index for j in sample), dtype=np.int64, count=len(sample))
         if (self.rows.handle[req] >= 0).any():
-            counters = np.fromiter((rows[j].out_index for j in sample), dtype=np.int64,
-                                   count=len(sample))
+            counters = np.fromiter((-1 if rows[j].speculative else rows[j].out_index
+                                    for j in sample), dtype=np.int64, count=len(sample))
+            widths = np.fromiter((rows[j].spec + 1 for j in sample), dtype=np.int64,
+                                 count=len(sample))
             self._planned[out.plan.step] = _PlannedGrammar(
-                [out.requests[j] for j in sample], req, counters)
+                [out.requests[j] for j in sample], req, counters, RowLayout.of(widths))
 
     # ---- the job ------------------------------------------------------------------------------
     def begin(self, committed: int | None, sampled: np.ndarray | None,
-              upcoming: int | None) -> frozenset[int]:
+              upcoming: int | None) -> dict[int, int]:
         """Submit one job: the matchers accept the tokens `sampled` of step `committed` (its wait
-        done), then fill the masks of step `upcoming`. Returns the request indices whose grammar
-        those tokens end."""
+        done; every sampling row's, K_eff + 1 per speculative row), then fill the masks of step
+        `upcoming`. Returns, by request index, the grammars those tokens end: at which of the
+        row's committed tokens."""
         acc = self._planned.pop(committed, None) if committed is not None else None
         nxt = self._planned.get(upcoming) if upcoming is not None else None
         if (acc is None or acc.fills is None) and nxt is None:
@@ -111,7 +119,7 @@ class GrammarStep:
             job.acc_handles, job.acc_tokens = accepts.handles, accepts.tokens
             self._accepting = [acc.requests[j] for j in accepts.rows.tolist()]
             if accepts.ended.size:
-                ended = frozenset(acc.req[accepts.ended].tolist())
+                ended = dict(zip(acc.req[accepts.ended].tolist(), accepts.ended_at.tolist()))
         if nxt is not None:
             self._fill(nxt, upcoming, job)
         if not job.empty and self._lost is None:
@@ -123,11 +131,15 @@ class GrammarStep:
         return ended
 
     def _fill(self, step: _PlannedGrammar, number: int, job: StepJob) -> None:
-        n, rows = len(step.requests), self.rows
+        rows = self.rows
+        n = len(step.requests) if step.layout is None else step.layout.total
         host = self.manager.executor.mask_buffer(number % 2, mask_numel(n, rows.views.words))
         step.mask = rows.views(host, n)
-        step.fills = rows.fill(step.requests, step.req, step.counters, step.mask)
-        job.fill_rows, job.fill_handles = step.fills.rows, step.fills.handles
+        fills = step.fills = rows.fill(step.requests, step.req, step.counters, step.mask,
+                                       step.layout)
+        job.fill_rows = fills.rows if fills.mask_rows is None else fills.mask_rows
+        job.fill_handles = fills.handles
+        job.fill_drafts, job.draft_tokens = fills.num_drafts, fills.draft_tokens
 
     def masks_for(self, step: int, device_wait: bool) -> StepMasks | None:
         """The masks of `step` (None without a grammar row), filled now if no job did (the

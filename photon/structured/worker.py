@@ -10,10 +10,12 @@ Messages, in order on one socket (engine -> worker):
   ("forget", key)          the engine's cache dropped it
   ("open", slot, key)      a matcher at the start of grammar `key`, addressed by `slot`
   ("close", slot)
-  STEP n_accept n_fill buffer rows words seq
+  STEP n_accept n_fill n_draft buffer rows words seq
                            accept tokens[i] on slots[i] for i < n_accept, then fill mask rows
-                           fill_rows[i] of buffer `buffer` ([rows, words] bits) from fill_slots[i],
-                           then set the buffer's fence word to `seq` (also when the step failed)
+                           fill_rows[i] of buffer `buffer` ([rows, words] bits) from fill_slots[i]
+                           (with n_draft > 0: fill_ndraft[i] of the draft_tok, the rows after
+                           fill_rows[i] get the masks after each: executor.run_job), then set
+                           the buffer's fence word to `seq` (also when the step failed)
 worker -> engine: ("ready",) once after start-up; DONE n_rejected seconds per step (the rejected
 accept indices in shared memory; the job's time); ("error", text) when a step failed.
 STEP and DONE, one each per step, are packed structs (`STEP`, `DONE`: their first byte is never a
@@ -52,13 +54,14 @@ from photon.structured.compile_pool import COMPILE_SLOTS, CompilePool, is_heavy
 from photon.structured.executor import Handles, JobClock, StepJob, run_job
 from photon.tokenizer import Tokenizer
 
-ARRAYS = ("acc_slot", "acc_tok", "fill_row", "fill_slot", "rejected", "fence")
-STEP = struct.Struct("<c6I")  # b"S", n_accept, n_fill, buffer, rows, words, seq
+ARRAYS = ("acc_slot", "acc_tok", "fill_row", "fill_slot", "fill_ndraft", "draft_tok", "rejected",
+          "fence")
+STEP = struct.Struct("<c7I")  # b"S", n_accept, n_fill, n_draft, buffer, rows, words, seq
 DONE = struct.Struct("<cId")  # b"D", n_rejected, seconds
 
 
 class SharedLayout:
-    """Offsets (in int32 words) of the shared file: six row arrays (`fence` uses two words: one
+    """Offsets (in int32 words) of the shared file: the row arrays (`fence` uses two words: one
     per mask buffer), then two mask buffers."""
 
     def __init__(self, max_rows: int, words: int) -> None:
@@ -183,9 +186,12 @@ class ProcessExecutor:
         n, m = job.acc_handles.size, job.fill_rows.size
         a["acc_slot"][:n], a["acc_tok"][:n] = job.acc_handles, job.acc_tokens
         a["fill_row"][:m], a["fill_slot"][:m] = job.fill_rows, job.fill_handles
+        d = job.draft_tokens.size
+        if d:
+            a["fill_ndraft"][:m], a["draft_tok"][:d] = job.fill_drafts, job.draft_tokens
         rows, words = mask.bits.shape if mask is not None else (0, 0)
         seq = (self._seq + 1) & 0xFFFFFFFF
-        self._send_bytes(STEP.pack(b"S", n, m, index, rows, words, seq))
+        self._send_bytes(STEP.pack(b"S", n, m, d, index, rows, words, seq))
         self._seq = self.fence_values[index] = seq
         self._pending += 1
 
@@ -349,19 +355,20 @@ class Worker:
         elif kind == "close":
             self.matchers.pop(msg[1], None)
 
-    def _step(self, n: int, m: int, index: int, rows: int, words: int, seq: int) -> bytes:
+    def _step(self, n: int, m: int, d: int, index: int, rows: int, words: int, seq: int
+              ) -> bytes:
         try:
-            return self._run_step(n, m, index, rows, words)
+            return self._run_step(n, m, d, index, rows, words)
         finally:
             # After the masks (and the rejected indices): the GPU copies them once it sees this.
             self.fences[index] = seq
 
-    def _run_step(self, n: int, m: int, index: int, rows: int, words: int) -> bytes:
+    def _run_step(self, n: int, m: int, d: int, index: int, rows: int, words: int) -> bytes:
         start = time.perf_counter()
         try:
             a = self.arrays
             job = StepJob(a["acc_slot"][:n], a["acc_tok"][:n], a["fill_row"][:m],
-                          a["fill_slot"][:m])
+                          a["fill_slot"][:m], a["fill_ndraft"][:m if d else 0], a["draft_tok"][:d])
             bits = mask_views(self.masks[index], rows, words).bits
             rejected = run_job(self.backend, self.matchers, job, bits)
             a["rejected"][:len(rejected)] = rejected

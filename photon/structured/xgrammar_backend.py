@@ -66,6 +66,9 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         return self.handle.is_terminated()
 
+    def rollback(self, num_tokens: int) -> None:
+        self.handle.rollback(num_tokens)  # xgrammar keeps every step: no rollback limit
+
 
 MIN_ROWS_PER_PART = 8  # fewer rows than this per thread: dispatch costs more than it saves
 

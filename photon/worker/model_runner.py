@@ -61,8 +61,8 @@ from photon.worker.step_results import (
     PreparedStep,
     StepHandle,
     committed_tokens,
-    first_sampled_ids,
     prompt_scores,
+    sampled_tokens,
 )
 
 # Prompt positions whose logits are computed at once for prompt logprobs: bounds the [N, V]
@@ -136,7 +136,7 @@ class ModelRunner:
         sampling_rows = max_seqs * (1 + (spec.k if spec is not None else 0))
         self.slots = [StepSlot(i, self.device, sampling_rows, MAX_LOGPROBS,
                                8 * tokens + 16 * sampling_rows, 8 * sampling_rows,
-                               mask_numel(max_seqs, words)) for i in range(2)]
+                               mask_numel(sampling_rows, words)) for i in range(2)]
         self.sampler = Sampler(fused=config.model.use_triton)
         self.probe: StepProbe | None = None
         # Disaggregation: the KV connector's worker side (attach_kv_connector); None: none
@@ -346,13 +346,10 @@ class ModelRunner:
         if masks is None:
             return None
         return self.mask_views(h.slot.upload_mask(self.streams, masks.mask, masks.fence),
-                               h.num_sampled)
+                               h.host.num_virtual)
 
     def _sampling_batch(self, h: StepHandle) -> SamplingBatch:
         d, f = h.dev, h.host.flags
-        mask = self._token_bitmask(h)
-        if h.host.widths is not None:
-            mask = self.spec.expand_mask(mask, d, h.host.num_virtual, h.host.spec_k)
         return SamplingBatch(
             temperature=d.temperature, top_k=d.top_k.to(torch.int32), top_p=d.top_p,
             min_p=d.min_p, keys=d.keys, counters=d.counters,
@@ -364,7 +361,7 @@ class ModelRunner:
             all_greedy=f.all_greedy, any_top_k=f.any_top_k, any_top_p=f.any_top_p,
             any_min_p=f.any_min_p, any_penalties=f.any_penalties,
             any_logit_bias=f.any_logit_bias, max_logprobs=f.max_logprobs,
-            token_bitmask=mask,
+            token_bitmask=self._token_bitmask(h),
         )
 
     @torch.inference_mode()
@@ -442,9 +439,10 @@ class ModelRunner:
         return committed_tokens(h, self.spec)
 
     def sampled_ids(self, h: StepHandle) -> np.ndarray:
-        """The first token of each sampling row in sampling order (a view of its host buffer
-        when no row speculates: read it before the slot's next step is staged)."""
-        return first_sampled_ids(h)
+        """Every sampling row's token in sampling order, a speculative row's K_eff + 1 (its
+        emitted tokens, then negative entries): a view of the slot's host buffer, read it before
+        the slot's next step is staged."""
+        return sampled_tokens(h)
 
     def prompt_scores(self, h: StepHandle) -> list[PromptScores]:
         """Step `h`'s prompt logprobs as Python values (after its wait: no further sync)."""

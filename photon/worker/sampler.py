@@ -324,6 +324,11 @@ class Sampler:
             logits, owned = apply_bans(logits if owned else logits.clone(), batch), True
         return raw, logits, owned
 
+    def apply_mask(self, logits: Tensor, mask: TokenMask) -> Tensor:
+        """Grammar masks on `logits` (rows aligned), in place."""
+        fused = self.fused if self.fused is not None else logits.is_cuda and has_triton()
+        return (_fused_apply_bitmask() if fused else apply_token_bitmask)(logits, mask)
+
     def draw(self, logits: Tensor, batch: SamplingBatch, owned: bool) -> Tensor:
         """The grammar mask, then the draw, on processed logits (`owned`: may be modified)."""
         fused = self.fused if self.fused is not None else logits.is_cuda and has_triton()

@@ -91,18 +91,6 @@ class SpecDecoder:
         return (dev.spec_vrows[:, None] + self._j[None, :k + 1]).reshape(-1)
 
     # ---- sample ---------------------------------------------------------------------------
-    def expand_mask(self, mask: TokenMask | None, dev: StepInputs[Tensor],
-                    num_virtual: int, k: int) -> TokenMask | None:
-        """A step's grammar masks (one per row that samples) for its sampling rows: a
-        speculative row's K + 1 take its (allow-all: speculative rows have no grammar)."""
-        if mask is None:
-            return None
-        first = torch.ones(num_virtual, dtype=torch.int64, device=dev.spec_vrows.device)
-        rest = (dev.spec_vrows[:, None] + self._j[None, 1:k + 1]).reshape(-1)
-        first[rest] = 0
-        owner = first.cumsum(0) - 1
-        return TokenMask(mask.bits[owner], mask.tail[owner])
-
     def sample(self, sampler: Sampler, logits: Tensor, batch: SamplingBatch,
                dev: StepInputs[Tensor], pool: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
         """([R] tokens, raw log-softmax or None) of every sampling row: plain rows draw, the
@@ -111,7 +99,11 @@ class SpecDecoder:
         raw, scores, owned = sampler.process(logits, batch, overwrite=True)
         v = self._vrows(dev, k)
         num_spec = dev.spec_rows.shape[0]
-        spec_scores = scores[v].view(num_spec, k + 1, -1)  # a copy: draw may mask scores
+        spec_scores = scores[v]  # a copy: draw may mask scores
+        mask = batch.token_bitmask
+        if mask is not None:  # grammar rows verify on the masked distribution at every position
+            sampler.apply_mask(spec_scores, TokenMask(mask.bits[v], mask.tail[v]))
+        spec_scores = spec_scores.view(num_spec, k + 1, -1)
         tokens = sampler.draw(scores, batch, owned)
         req = dev.spec_reqs
         d = self.dev_len[req]

@@ -3,7 +3,7 @@
 `PreparedStep` is a step staged into its slot (prepare), `StepHandle` the launched step
 (launch, sample); after the commit's sync the functions here read the slot's host buffers into
 Python values: each row's committed tokens (one per plain sampling row, 1 to K + 1 per
-speculative row), the first sampled token of each sampling row (the grammar's accepts) and the
+speculative row), every sampling row's token (the grammar's accepts) and the
 prompt logprobs.
 """
 
@@ -48,7 +48,7 @@ class StepHandle:
     logits: torch.Tensor | None
     step: int
     propose: bool
-    num_sampled: int = 0  # rows that sample (grammar masks: one each)
+    num_sampled: int = 0  # rows that sample
     max_logprobs: int = -1
     marks: StepMarks | None = None  # set only while a StepProbe is attached (benchmarks)
 
@@ -84,14 +84,11 @@ def committed_tokens(h: StepHandle, spec: SpecDecoder | None) -> list[list[Commi
     return result
 
 
-def first_sampled_ids(h: StepHandle) -> np.ndarray:
-    """The first token of each sampling row in sampling order (a view of its host buffer
-    when no row speculates: read it before the slot's next step is staged)."""
-    widths = h.host.widths
-    if widths is None:
-        return h.slot.out_i_host[:h.num_sampled].numpy()
-    first = np.cumsum([0, *widths[:-1]])
-    return h.slot.out_i_host[:h.host.num_virtual].numpy()[first]
+def sampled_tokens(h: StepHandle) -> np.ndarray:
+    """Every sampling row's token in sampling order, K_eff + 1 per speculative row (its emitted
+    tokens, then -1 and NO_DRAFT): the grammar's accepts. A view of the slot's host buffer: read
+    it before the slot's next step is staged."""
+    return h.slot.out_i_host[:h.host.num_virtual].numpy()
 
 def prompt_scores(h: StepHandle) -> list[PromptScores]:
     """Step `h`'s prompt logprobs as Python values (after its wait: no further sync)."""
