@@ -1,14 +1,16 @@
 """The runner's side of LoRA: the host cache of adapters and the device slots they load into.
 
 `stage` (host, in prepare) reads a plan's adapters from the host cache (from disk on a miss);
-`launch` enqueues their copies into the slot weights on the compute stream before the step's
-forward, from pinned memory on CUDA: the host never waits for the device. Stream order puts each
-load after every earlier step, and the scheduler reloads only slots no planned step reads.
+`load` enqueues their copies into the slot weights on the copy stream, ahead of the step's input
+upload (the forward waits for that upload's event), from pinned memory on CUDA: the copies overlap
+the forward in flight and the host never waits for the device. The scheduler reloads only slots no
+step in flight or planned before reads. `launch` sets the step's per-token slots.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,10 +93,20 @@ class LoRAWorker:
             staged.append(StagedLoad(load.slot, adapter))
         return staged, failed
 
-    def launch(self, staged: list[StagedLoad], token_slots: torch.Tensor, any_lora: bool) -> None:
-        """Device half (compute stream): the slot loads, then the step's per-token slots."""
-        for load in staged:
-            self.model.load(load.slot, load.adapter)
+    def load(self, staged: list[StagedLoad], stream: torch.cuda.Stream | None) -> None:
+        """The plan's slot loads, enqueued on `stream` (the copy stream, ahead of the step's
+        input upload whose event the forward waits for; None: in order). They overlap the
+        forward in flight: no step in flight reads a slot being loaded (the scheduler reloads a
+        slot only once its previous adapter's requests are released), and pinned sources are
+        kept until their copies ran (the caching host allocator records the stream's use)."""
+        if not staged:
+            return
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for load in staged:
+                self.model.load(load.slot, load.adapter)
+
+    def launch(self, token_slots: torch.Tensor, any_lora: bool) -> None:
+        """The step's per-token slots (compute stream), after its slot loads (`load`)."""
         n = token_slots.shape[0]
         self.batch.token_slots[:n].copy_(token_slots)
         self.batch.active = any_lora

@@ -270,6 +270,8 @@ class ModelRunner:
     def launch(self, prep: PreparedStep) -> StepHandle:
         """Device half: the H2D of the staged inputs and the forward, enqueued."""
         slot, host, dev = prep.slot, prep.host, prep.dev
+        if self.lora is not None:  # on the copy stream, ahead of the inputs the forward waits for
+            self.lora.load(prep.lora_loads, self.streams.copy)
         slot.upload(self.streams)
         marks = self.probe.new_step() if self.probe is not None else None
         if marks is not None:
@@ -277,7 +279,7 @@ class ModelRunner:
         if host.inputs.write_idx.size:
             self.token_pool.view(-1)[dev.write_idx] = dev.write_ids.to(torch.int32)
         if self.lora is not None:
-            self.lora.launch(prep.lora_loads, dev.lora_slots, prep.graph_key is None
+            self.lora.launch(dev.lora_slots, prep.graph_key is None
                              and any_adapter(host.inputs.lora_slots))
         if host.widths is not None:
             self.spec.resolve(dev, staged_rows(dev), host.spec_k)
