@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from photon.config import EngineConfig
     from photon.distributed.group import TPGroupSpec
 
-_DEAD_WAIT_S = 2.0  # how long a failed collective waits for Ray to report which actor died
+_DEAD_WAIT_S = 5.0  # how long a failed collective waits for Ray to report which actor died
 _NODE_SHARE = 0.001  # of the built-in "node:<ip>" resource: pins bundle 0 to this node
 
 
