@@ -136,13 +136,18 @@ TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen
                                  "Qwen3ForCausalLM", *MOE_ARCHITECTURES)
 
 
+# The values of --distributed-executor-backend (photon.distributed.launchers).
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """--tensor-parallel-size: ranks, one process each (rank 0 in the engine core's process);
     --enable-expert-parallel: an MoE model's experts are partitioned over those ranks;
     --data-parallel-size: engine cores behind one front end (each with its own TP ranks). With
     both of the last two the experts are partitioned over the data-parallel cores instead
-    (`experts_span_cores`: data-parallel attention, expert-parallel MoE layers)."""
+    (`experts_span_cores`: data-parallel attention, expert-parallel MoE layers);
+    --distributed-executor-backend: what starts ranks 1..N-1 (photon.distributed.launchers)."""
 
     tensor_parallel_size: int = 1
     # A collective waiting longer than this for a rank ends the engine (a rank died or hangs).
@@ -155,9 +160,13 @@ class ParallelConfig:
     # group that spans the cores; set by the front end when the experts span the cores.
     data_parallel_master_ip: str = "127.0.0.1"
     data_parallel_master_port: int = 0
+    # "mp": spawned processes on this host; "ray": Ray actors placed on a Ray cluster.
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        check_choice("distributed_executor_backend", self.distributed_executor_backend,
+                     EXECUTOR_BACKENDS)
         check_positive("data_parallel_size", self.data_parallel_size)
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ConfigError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), "

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from photon.config import (
+    EXECUTOR_BACKENDS,
     GRAMMAR_WORKERS,
     MASK_WAITS,
     CacheConfig,
@@ -167,6 +168,12 @@ class EngineArgs:
         "a mixture-of-experts model the experts are partitioned over the cores, which then "
         "step together."),
         "aliases": ("-dp",)})
+    distributed_executor_backend: str = field(default="mp", metadata=_help(
+        "What starts the tensor-parallel ranks 1..N-1 (rank 0 runs in the engine core's "
+        "process): mp, a process per rank on this machine; ray, a Ray actor per rank, placed "
+        "by a placement group on the Ray cluster this process joins (RAY_ADDRESS, else the one "
+        "`ray start` runs on this machine, else a new local instance): the way to span "
+        "machines. ray needs `pip install ray`.", EXECUTOR_BACKENDS))
     speculative_config: str | dict[str, Any] | SpeculativeConfig | None = field(
         default=None, metadata=_help(
             "Speculative decoding, as a JSON object (a dict in Python): "
@@ -279,7 +286,9 @@ class EngineArgs:
             lora_config=_lora_config(self),
             parallel=_parallel_config(ParallelConfig(
                 self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
-                enable_expert_parallel=self.enable_expert_parallel), arch, hf_config),
+                enable_expert_parallel=self.enable_expert_parallel,
+                distributed_executor_backend=self.distributed_executor_backend), arch,
+                hf_config),
         )
 
     def _kv_cache_dtype(self, hf_config: dict[str, Any], device: str) -> str:
@@ -378,6 +387,10 @@ def _kv_transfer_config(value: object, tensor_parallel_size: int) -> KVTransferC
 
 def _parallel_config(parallel: ParallelConfig, architecture: str,
                      hf_config: dict[str, Any]) -> ParallelConfig:
+    if parallel.distributed_executor_backend == "ray":
+        from photon.distributed.ray_launcher import check_ray_installed
+
+        check_ray_installed()
     parallel.check_expert_parallel(architecture)
     parallel.check_model(architecture, hf_config)
     parallel.check_experts_span_cores(architecture, hf_config)

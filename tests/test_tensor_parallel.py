@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 
 from photon.config import ConfigError
@@ -123,3 +127,48 @@ def test_engine_core_process_tp2(model_and_reference: tuple[str, dict]) -> None:
     finally:
         remote.shutdown()
     assert {rid: r.sequences[0].token_ids for rid, r in results.items()} == reference
+
+
+@pytest.fixture
+def local_ray() -> Iterator[Any]:
+    """A local Ray instance of two CPUs (no dashboard: it starts faster), shut down after."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("model_and_reference", ["LlamaForCausalLM"], indirect=True)
+def test_ray_backend_tokens_equal_tp1_and_actors_reaped(model_and_reference: tuple[str, dict],
+                                                         local_ray: Any) -> None:
+    """--distributed-executor-backend ray: rank 1 is a Ray actor in a placement group; the
+    tokens equal TP=1's (drained on both ranks); a killed actor ends the engine with
+    TensorParallelError; shutdown kills the actors and removes the placement group."""
+    path, reference = model_and_reference
+    with engine(tp_config(path, 2, timeout_s=20.0, backend="ray")) as core:
+        launcher = core.workers.launcher
+        assert core.workers.procs == [] and len(launcher.actors) == 1
+        group_id = launcher.placement_group.id.hex()
+        assert run_all(core) == reference
+        actor = launcher.actors[0]
+        core.add_request([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+        core.step()
+        local_ray.kill(actor)
+        with pytest.raises(TensorParallelError, match=r"rank 1 \(its Ray actor died\)"):
+            for _ in range(MAX_STEPS):
+                core.step()
+    assert local_ray.util.placement_group_table()[group_id]["state"] == "REMOVED"
+    with pytest.raises(local_ray.exceptions.RayActorError):
+        local_ray.get(actor.run.remote(None, None, 0, ""), timeout=10)
+
+
+def test_executor_backend_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="distributed_executor_backend must be one of mp, ray"):
+        EngineArgs(distributed_executor_backend="spark").create_config()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"=ray needs the ray package: pip install ray"):
+        EngineArgs(distributed_executor_backend="ray").create_config()

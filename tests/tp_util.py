@@ -16,10 +16,11 @@ MAX_STEPS = 500  # every run here ends far sooner; a bound instead of a hang
 
 
 def tp_config(path: str, tp: int, pipelined: bool = True, timeout_s: float | None = None,
-              expert_parallel: bool = False) -> EngineConfig:
+              expert_parallel: bool = False, backend: str = "mp") -> EngineConfig:
     config = EngineArgs(model=path, tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4,
                         pipelined=pipelined, structured_outputs_worker="inline",
-                        enable_expert_parallel=expert_parallel).create_config()
+                        enable_expert_parallel=expert_parallel,
+                        distributed_executor_backend=backend).create_config()
     if timeout_s is not None:
         parallel = dataclasses.replace(config.parallel, collective_timeout_s=timeout_s)
         config = dataclasses.replace(config, parallel=parallel)

@@ -13,12 +13,12 @@ Message bytes: b"P" + a msgpack StepPlan, b"A" (audit: report the table's live r
 KV transfers), b"K" (KV transfers: every rank reports what its connector finished, all-gathered;
 sent only while a transfer waits for a rank, see photon.distributed.kv_reports), b"S" stop.
 Workers exit on stop, or when rank 0's sockets close (its process ended); rank 0 maps a failed
-collective to `TensorParallelError` naming the ranks that exited.
+collective to `TensorParallelError` naming the ranks that exited. Where the workers run (spawned
+processes, or Ray actors) is the launcher's business (photon.distributed.launchers).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import sys
 import weakref
@@ -27,16 +27,16 @@ from typing import Any
 import msgspec
 import torch
 
-from photon.config import EngineConfig
+from photon.config import ConfigError, EngineConfig
 from photon.core.step import StepPlan
 from photon.distributed.group import TPGroup, TPGroupSpec, bind_store
 from photon.distributed.kv_reports import RankedConnector, take_report
+from photon.distributed.launchers import ProcessLauncher, WorkerLauncher, create_launcher
 from photon.kv_transfer.base import KVConnectorBase, KVConnectorRole, create_connector
 from photon.kv_transfer.metadata import KVTransferReport
 
 _PLAN, _AUDIT, _KV, _STOP = b"P", b"A", b"K", b"S"
 _IDLE_WAIT_S = 365 * 24 * 3600.0  # a worker waits this long for the next plan (an idle engine)
-_HOST = "127.0.0.1"
 
 
 class TensorParallelError(RuntimeError):
@@ -51,28 +51,34 @@ class TPWorkers:
         on every rank."""
         parallel = config.parallel
         size = parallel.tensor_parallel_size
-        store = bind_store(_HOST, size, parallel.collective_timeout_s)
-        spec = TPGroupSpec(_HOST, store.port, size, parallel.collective_timeout_s, config.device)
+        self.launcher: WorkerLauncher = create_launcher(parallel.distributed_executor_backend,
+                                                        config.device)
+        host = self.launcher.rendezvous_host()
+        store = bind_store(host, size, parallel.collective_timeout_s)
+        spec = TPGroupSpec(host, store.port, size, parallel.collective_timeout_s, config.device)
         # On CPU the ranks share the host's cores; rank 0 (this process) takes its share too,
         # until shutdown() gives the process its threads back.
         self._saved_threads = None if config.device == "cuda" else torch.get_num_threads()
         if self._saved_threads is not None:
             torch.set_num_threads(cpu_threads_per_rank(size))
-        ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=worker_main, args=(config, spec, rank, engine_id),
-                                  daemon=True, name=f"photon-tp-rank{rank}") for rank in range(1, size)]
-        for p in self.procs:
-            p.start()
         # Reaps the workers if the engine is dropped without shutdown() (or at exit).
-        self._finalizer = weakref.finalize(self, _reap, list(self.procs), 0.0)
+        self._finalizer = weakref.finalize(self, self.launcher.reap, 0.0)
         try:
+            self.launcher.start(config, spec, engine_id)
             self.group: TPGroup | None = TPGroup.join(spec, 0, store)
         except Exception as e:
             self._finalizer()
             self._restore_threads()
+            if isinstance(e, ConfigError):  # e.g. the Ray cluster cannot place the ranks
+                raise
             raise TensorParallelError(f"tensor-parallel workers did not join: {e}") from e
         self._encoder = msgspec.msgpack.Encoder()
         self._reports = msgspec.msgpack.Decoder(KVTransferReport)
+
+    @property
+    def procs(self) -> list[Any]:
+        """The worker processes of the mp backend (none under ray: its ranks are actors)."""
+        return self.launcher.procs if isinstance(self.launcher, ProcessLauncher) else []
 
     def send_plan(self, plan: StepPlan) -> None:
         self._send(_PLAN + self._encoder.encode(plan))
@@ -97,8 +103,8 @@ class TPWorkers:
             except RuntimeError:
                 pass  # a worker died: reaped below
         self.group = None
-        _reap(self.procs, timeout_s)
         self._finalizer.detach()
+        self.launcher.reap(timeout_s)
         self._restore_threads()
 
     def _restore_threads(self) -> None:
@@ -119,8 +125,7 @@ class TPWorkers:
 
     def failure(self, cause: BaseException) -> TensorParallelError:
         """The error that ends the engine after a collective failed (names the dead ranks)."""
-        dead = [f"rank {i + 1} (exit code {p.exitcode})"
-                for i, p in enumerate(self.procs) if not p.is_alive()]
+        dead = self.launcher.dead_ranks()
         self.group = None  # broken: never used again
         who = ", ".join(dead) if dead else "a rank stopped answering"
         return TensorParallelError(f"tensor-parallel worker failed: {who}; the engine stops "
@@ -132,14 +137,6 @@ def cpu_threads_per_rank(size: int) -> int:
     More would oversubscribe the cores: a rank's idle intra-op threads keep spinning while the
     other ranks compute, and every collective waits for the slowest rank."""
     return max(1, (os.cpu_count() or 1) // size)
-
-
-def _reap(procs: list[mp.Process], timeout_s: float) -> None:
-    for p in procs:
-        p.join(timeout_s)
-        if p.is_alive():
-            p.kill()
-            p.join(5.0)
 
 
 class PlanBroadcast:
@@ -182,18 +179,24 @@ class PlanBroadcast:
 
 
 def worker_main(config: EngineConfig, spec: TPGroupSpec, rank: int, engine_id: str) -> None:
-    """A worker process: join the group, build the rank's runner, follow rank 0's plans."""
-    if spec.device == "cuda":
-        torch.cuda.set_device(rank)
-    else:  # the ranks share the host's cores
-        torch.set_num_threads(cpu_threads_per_rank(spec.size))
-    group = TPGroup.join(spec, rank)
-    _WorkerLoop(config, group, engine_id).run()
+    """A worker process of the mp backend (device `rank` of this host on CUDA)."""
+    run_rank(config, spec, rank, engine_id, cuda_index=rank)
     # Stopped cleanly: leave without running the interpreter's teardown, which can abort on the
     # process group's transport threads.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_rank(config: EngineConfig, spec: TPGroupSpec, rank: int, engine_id: str,
+             cuda_index: int) -> None:
+    """Join the group as `rank`, build the rank's runner, follow rank 0's plans until stopped."""
+    if spec.device == "cuda":
+        torch.cuda.set_device(cuda_index)
+    else:  # the ranks share the host's cores
+        torch.set_num_threads(cpu_threads_per_rank(spec.size))
+    group = TPGroup.join(spec, rank)
+    _WorkerLoop(config, group, engine_id).run()
 
 
 class _WorkerLoop:
