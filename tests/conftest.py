@@ -24,17 +24,20 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+_SIGINT_AT_START = signal.getsignal(signal.SIGINT)  # SIG_IGN when the suite runs in the background
+
+
 @pytest.fixture(autouse=True)
 def _sigint_left_as_found() -> Iterator[None]:
-    """A test that leaves a SIGINT handler installed, or SIGINT blocked, in this process would
-    make later tests' Ctrl-C behave differently: it fails here, naming itself, and the default
-    is put back."""
+    """A test that leaves SIGINT handled differently than it found it, or blocked, would make
+    later tests' Ctrl-C behave differently: it fails here, naming itself, and the disposition
+    the suite started with is put back."""
     yield
     handler = signal.getsignal(signal.SIGINT)
     blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    if handler is not signal.default_int_handler:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if handler is not _SIGINT_AT_START:
+        signal.signal(signal.SIGINT, _SIGINT_AT_START)
     if blocked:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
-    assert handler is signal.default_int_handler and not blocked, \
+    assert handler is _SIGINT_AT_START and not blocked, \
         f"the test left SIGINT {'blocked' if blocked else f'handled by {handler!r}'}"
