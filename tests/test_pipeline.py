@@ -207,7 +207,7 @@ _spec = st.builds(
     st.one_of(st.none(), st.integers(3, 1023)), st.one_of(st.none(), st.integers(1, 8)))
 
 
-@settings(max_examples=22, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=18, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=st.lists(_spec, min_size=1, max_size=8), block_size=st.sampled_from([4, 8]),
        budget=st.sampled_from([8, 16, 64]), tight=st.booleans())
 def test_pipelined_equals_blocking_property(specs: list[Spec], block_size: int, budget: int,

@@ -92,7 +92,8 @@ def test_online_fp8_greedy_equals_its_reference_path() -> None:
             assert_greedy_of(reference, prompt, tokens, tie_margin("fp8"))
 
 
-@pytest.mark.parametrize("scheme", [*SCHEMES, "fp8"])
+# One scheme per kernel family (the greedy test above covers every scheme's loading).
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "w8a8-int8", "w4a16", "fp8"])
 def test_top1_agreement_with_the_unquantized_model(scheme: str,
                                                    checkpoints: dict[str, str]) -> None:
     base = float_model(builtin_model_path(PHOTON_TINY))

@@ -44,7 +44,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=9, deadline=None, derandomize=True,
+@settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 def test_api_conforms(case: schemathesis.Case) -> None:
     case.call_and_validate(checks=CHECKS)

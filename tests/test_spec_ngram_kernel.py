@@ -50,9 +50,9 @@ def both(ctx: ProposeContext, *args: object) -> None:
     assert torch.equal(fused.draft_ids.cpu(), ref.draft_ids.cpu())
 
 
-# Every n-gram range and every K at least twice, not the full product (interpreter time).
+# Every n-gram range and every K, not the full product (interpreter time).
 @pytest.mark.parametrize("min_n,max_n,k", [(1, 1, 1), (1, 4, 3), (2, 3, 5), (3, 5, 1),
-                                           (5, 5, 3), (1, 4, 5), (2, 3, 1), (3, 5, 3)])
+                                           (5, 5, 3)])
 def test_kernel_matches_torch_on_planted_repeats(min_n: int, max_n: int, k: int) -> None:
     seed = min_n * 100 + max_n * 10 + k
     pool = planted_pool(24, 70, 4, seed)

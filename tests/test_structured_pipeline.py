@@ -74,7 +74,7 @@ def test_grammar_pipelined_equals_blocking() -> None:
 _GRAMMARS = [SO(json=SCHEMA), SO(regex=REGEX), SO(choice=["on", "off", "onward"]), None, None]
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kinds=st.lists(st.tuples(st.integers(0, len(_GRAMMARS) - 1), st.integers(0, 2**31),
                                 st.lists(st.integers(3, 999), min_size=1, max_size=30),
                                 st.one_of(st.none(), st.integers(1, 6))),

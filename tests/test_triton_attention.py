@@ -27,7 +27,8 @@ GPU_TOL = 2e-2
 
 # (num_heads, num_kv_heads, head_dim, block_size): GQA ratios 1/2/4/8, head dims 32/64/128,
 # block sizes 4/8/16/32 (the tiny model's shape is 4/2/32 with block_size 4 in some tests).
-CPU_SHAPES = [(4, 4, 64, 16), (4, 2, 128, 8), (8, 2, 64, 32), (8, 1, 64, 16), (4, 2, 32, 4)]
+# MHA / GQA / MQA, head dims 128 / 64 / 32, block sizes 8 / 32 / 4 (the interpreter is slow)
+CPU_SHAPES = [(4, 4, 128, 8), (8, 2, 64, 32), (8, 1, 32, 4)]
 
 
 @dataclass
