@@ -87,7 +87,9 @@ def _metric(url: str, name: str) -> float:
     raise KeyError(name)
 
 
-def test_two_api_servers_serve_one_engine(server: tuple[subprocess.Popen, str]) -> None:
+def test_two_api_servers_serve_one_engine_and_sigterm_stops_them(
+        server: tuple[subprocess.Popen, str]) -> None:
+    """Two API servers serve one engine; then SIGTERM stops every process cleanly."""
     proc, url = server
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda p: _complete(url, p), PROMPTS))
@@ -104,10 +106,10 @@ def test_two_api_servers_serve_one_engine(server: tuple[subprocess.Popen, str]) 
     events = [line for line in stream.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) >= 2
     json.loads(events[0][6:])
+    _sigterm_stops_every_process(proc)
 
 
-def test_sigterm_stops_every_process(server: tuple[subprocess.Popen, str]) -> None:
-    proc, url = server
+def _sigterm_stops_every_process(proc: subprocess.Popen) -> None:
     children = _descendants(proc.pid)
     assert len(children) >= 3  # the core (and its grammar worker) and two API servers
     proc.send_signal(signal.SIGTERM)

@@ -84,8 +84,11 @@ def test_grammar_pipelined_equals_blocking_property(kinds: list, budget: int, ti
     specs = [Spec(prompt, SamplingParams(temperature=1.0, seed=seed, max_tokens=60,
                                          structured_outputs=_GRAMMARS[k]), abort)
              for k, seed, prompt, abort in kinds]
+    # Grammar jobs inline (no worker process to start per engine): the worker process runs the
+    # same jobs (test_grammar_rows_on_threads_equal_serial checks it against inline).
     kw = dict(block_size=4, max_num_batched_tokens=budget, max_num_seqs=4,
-              num_gpu_blocks_override=26 if tight else None, max_model_len=104 if tight else 256)
+              num_gpu_blocks_override=26 if tight else None, max_model_len=104 if tight else 256,
+              structured_outputs_worker="inline")
     blocking, _ = run(_engine(False, **kw), specs)
     pipelined, _ = run(_engine(True, **kw), specs)
     assert pipelined == blocking
