@@ -175,10 +175,11 @@ def test_grammar_requests_speculate_beside_plain_ones() -> None:
     grammar = SamplingParams(temperature=1.0, seed=3, max_tokens=80,
                              structured_outputs=SO(json=SCHEMA))
     specs = [Spec(pattern * 4, GREEDY), Spec(pattern * 2, grammar), Spec(pattern * 5, GREEDY)]
-    base, _ = run(_llm(False), specs)
-    llm = _llm(True, 3)
+    inline = dict(structured_outputs_worker="inline")  # no worker process per engine
+    base, _ = run(_llm(False, **inline), specs)
+    llm = _llm(True, 3, **inline)
     pipelined, audit = run(llm, specs)
-    blocking, _ = run(_llm(False, 3), specs)
+    blocking, _ = run(_llm(False, 3, **inline), specs)
     # Tokens, not schedules: when the grammar request is admitted depends on how long its
     # grammar takes to compile (a wall-clock race), which moves the other rows' steps.
     assert pipelined == blocking
