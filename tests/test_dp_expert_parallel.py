@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import os
 import signal
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +40,7 @@ from tests.engine_pair import (
     wait_drained,
 )
 from tests.hf_models import QWEN3_MOE, make_engine_model
+from tests.server_util import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -143,9 +143,7 @@ def test_killed_core_fails_the_other(pair: tuple[AsyncEngine, AsyncLLM],
         error = asyncio.run(asyncio.wait_for(run(), WAIT_S))
         assert isinstance(error, (EngineDeadError, EngineUnavailableError)), error
         procs[0].wait(TIMEOUT_S + 30)  # exits by itself: no hang
-        deadline = time.monotonic() + 10
-        while "ExpertParallelError" not in caplog.text and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: "ExpertParallelError" in caplog.text, "the cause is logged", 10)
     assert procs[0].returncode == 1
     assert "ExpertParallelError" in caplog.text and "did not answer within" in caplog.text
     assert engine.dead.wait(10) and not engine.healthy
