@@ -25,8 +25,8 @@
 #               `photon bench quality` of each scheme against bf16 on qwen3-0.6b:
 #               quality_SCHEME.json (not in the default set; needs ~40 GB of disk)
 #   lora        the offline workload with 0, 1, 8 and 32 synthetic LoRA adapters (--max-loras =
-#               adapters) and a slot-churn run (500 adapters, --max-loras 16), on qwen3-0.6b and
-#               llama-3.1-8b: lora_SHAPE_N.json (not in the default set)
+#               adapters) and a slot-churn run (500 adapters on qwen3-0.6b, 64 on llama-3.1-8b,
+#               --max-loras 16): lora_SHAPE_N.json (not in the default set)
 # Two-GPU steps (skipped, with a message, when fewer than 2 GPUs are visible; not in the default
 # set):
 #   parallel    offline throughput at -tp 1 and -tp 2 on qwen3-0.6b and llama-3.1-8b:
@@ -41,6 +41,8 @@
 #               proxy`, against two aggregated instances behind `photon router --policy
 #               round_robin`, qwen3-0.6b: pd/{disaggregated,aggregated}.json
 #
+# SHAPES (environment) narrows the model shapes of the throughput, quant and lora steps (default:
+# "qwen3-0.6b llama-3.1-8b"), e.g. SHAPES=qwen3-0.6b tools/gpu_bench.sh OUT quant lora.
 # Run it from the repository root with photon installed (pip install -e ".[test]"). The built-in
 # shapes have random weights and a byte-level BPE tokenizer trained at first use, so nothing is
 # downloaded. The llama-3.1-8b shape needs room for its 16 GB of bf16 weights plus a KV cache.
@@ -55,6 +57,7 @@ steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(env tests throughput bubble structured)
 export PYTHONUNBUFFERED=1
 photon=(python3 -m photon.cli)
+read -r -a shapes <<< "${SHAPES:-qwen3-0.6b llama-3.1-8b}"
 status=0
 
 run() {  # run CMD...: echo the command into the log, run it, remember a failure
@@ -93,11 +96,12 @@ EOF
 
 step_tests() {
   run python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/test_kernels.py \
-    tests/test_sampler.py tests/test_triton_attention.py
+    tests/test_sampler.py tests/test_triton_attention.py tests/test_spec_kernel.py \
+    tests/test_spec_ngram_kernel.py tests/test_spec_step_kernels.py
 }
 
 step_throughput() {
-  for shape in qwen3-0.6b llama-3.1-8b; do
+  for shape in "${shapes[@]}"; do
     run "${photon[@]}" bench throughput --model-shape "$shape" \
       --output-json "$out/throughput_${shape}_pipelined.json"
     run "${photon[@]}" bench throughput --model-shape "$shape" --no-pipelined \
@@ -159,7 +163,7 @@ quality() {  # quality SCHEME ARGS...: `photon bench quality` of ARGS into quali
 
 step_quant() {
   local dir shape base scheme
-  for shape in qwen3-0.6b llama-3.1-8b; do
+  for shape in "${shapes[@]}"; do
     dir=$(mktemp -d)
     echo "writing a random checkpoint of $shape" | tee -a "$log"
     if ! base=$(random_checkpoint "$shape" "$dir"); then
@@ -188,17 +192,19 @@ step_quant() {
   done
 }
 
-step_lora() {  # N adapters in N slots, then 500 adapters taking turns in 16 slots
-  local shape n
-  for shape in qwen3-0.6b llama-3.1-8b; do
+step_lora() {  # N adapters in N slots, then adapters taking turns in 16 slots
+  local shape n churn
+  for shape in "${shapes[@]}"; do
     run "${photon[@]}" bench throughput --model-shape "$shape" \
       --output-json "$out/lora_${shape}_0.json"
     for n in 1 8 32; do
       run "${photon[@]}" bench throughput --model-shape "$shape" --num-lora-adapters "$n" \
         --max-loras "$n" --output-json "$out/lora_${shape}_$n.json"
     done
-    run "${photon[@]}" bench throughput --model-shape "$shape" --num-lora-adapters 500 \
-      --max-loras 16 --output-json "$out/lora_${shape}_500.json"
+    churn=500  # the larger shape's adapters are ~90 MB each on disk: 64 of them
+    [ "$shape" = llama-3.1-8b ] && churn=64
+    run "${photon[@]}" bench throughput --model-shape "$shape" --num-lora-adapters "$churn" \
+      --max-loras 16 --output-json "$out/lora_${shape}_$churn.json"
   done
 }
 
