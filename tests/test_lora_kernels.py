@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from photon.kernels.lora import lora_expand, lora_meta, lora_shrink
+from photon.kernels.lora import BLOCK_M, lora_expand, lora_meta, lora_shrink, num_blocks
 from photon.lora.layers import lora_delta_torch
 from tests.test_kernels import DEVICE
 from tests.test_kernels import pytestmark as kernel_marks
@@ -17,7 +17,7 @@ pytestmark = kernel_marks
 
 
 @pytest.mark.parametrize("num_tokens,rank,k,n", [(1, 16, 40, 24), (37, 48, 64, 72),
-                                                 (5, 8, 32, 33)])
+                                                 (5, 8, 32, 33), (19, 80, 600, 40)])
 def test_shrink_expand_match_torch(num_tokens: int, rank: int, k: int, n: int) -> None:
     gen = torch.Generator().manual_seed(num_tokens)
     slots = 4
@@ -45,3 +45,13 @@ def test_meta_groups_tokens_by_slot() -> None:
     assert meta.order.tolist() == [1, 4, 3, 0, 2, 5]
     assert meta.counts.tolist() == [2, 1, 3, 0]
     assert meta.starts.tolist() == [0, 2, 3, 6]
+
+
+def test_meta_cuts_each_adapted_slot_into_blocks() -> None:
+    """Blocks of BLOCK_M tokens of one slot; slot 0 (the base model) gets none; the grid's
+    spare blocks carry slot S (no block)."""
+    token_slots = torch.tensor([3] * (BLOCK_M + 1) + [0] * 5 + [1] * 2)
+    meta = lora_meta(token_slots, 4)
+    want_slots = [1, 3, 3] + [4] * (num_blocks(token_slots.shape[0], 4) - 3)
+    assert meta.block_slot.tolist() == want_slots
+    assert meta.block_pos.tolist()[:3] == [5, 7, 7 + BLOCK_M]

@@ -1,13 +1,16 @@
 """Batched LoRA for a batch mixing adapters (and the base model): shrink and expand kernels
 grouped by slot (the SGMV idea, as vLLM's lora_shrink / lora_expand).
 
-The tokens are sorted by slot once per step (`LoRAMeta`: the order, each slot's first sorted
-position and count); every layer then launches a grid of (token block, slot) programs:
-  shrink: h[t, :R] = x[t] @ A[slot(t)].T          A [S, R, in], h [T, R] float32
-  expand: out[t, n] += h[t, :R] @ B[slot(t)][n].T  B [S, out, R]
-Slot 0 is the base model: its programs return at once. Every token belongs to one slot, so the
-expand's read-modify-write of `out` never races. The grid depends only on the token count and
-the slot count, and every index is read on the device: the launches are graph-capturable.
+The tokens are sorted by slot once per step (`LoRAMeta`) and cut into blocks of BLOCK_M tokens
+of one slot each; slot 0 (the base model) gets no blocks. Every layer then launches:
+  shrink: h[s, t, :] = x[t, Ks] @ A[slot(t)][:, Ks].T    grid (block, K split s, rank block)
+  expand: out[t, n] += (sum_s h[s, t, :]) @ B[slot(t)][n].T   grid (block, N block)
+The shrink splits K into fixed chunks of SPLIT_K columns so a decode batch fills the GPU; each
+split writes its own partial sums and the expand adds them in a fixed order, so no atomics are
+needed and a token's delta does not depend on the batch it is in (CUDA graphs, which pad the
+batch, give the eager forward's bits). Every token belongs to one slot, so the expand's
+read-modify-write of `out` never races. The grids depend only on the token count, the slot count
+and the shapes, and every index is read on the device: the launches are graph-capturable.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16
-BLOCK_K = 32
-BLOCK_N = 32
+BLOCK_M = 16  # tokens per block (tl.dot's smallest tile)
+BLOCK_K = 64
+BLOCK_N = 128
+MAX_BLOCK_R = 64  # rank columns per program: bounds the accumulator's registers
+SPLIT_K = 512  # input columns per shrink program
 
 
 @dataclass
@@ -30,94 +35,125 @@ class LoRAMeta:
     order: torch.Tensor  # [T] token indices sorted by slot (stable)
     starts: torch.Tensor  # [S] each slot's first position in `order`
     counts: torch.Tensor  # [S] tokens of each slot
+    block_slot: torch.Tensor  # [B] each block's slot (S past the last block)
+    block_pos: torch.Tensor  # [B] each block's first position in `order`
+
+
+def num_blocks(num_tokens: int, num_slots: int) -> int:
+    """Blocks the grids cover: every slot's count rounded up to BLOCK_M, at most."""
+    return triton.cdiv(num_tokens, BLOCK_M) + num_slots - 1
 
 
 def lora_meta(token_slots: torch.Tensor, num_slots: int) -> LoRAMeta:
-    """Group the tokens by slot on the device (no host sync: argsort and a scatter-add)."""
+    """Group the tokens by slot and cut them into blocks on the device (no host sync)."""
+    dev = token_slots.device
     order = torch.argsort(token_slots, stable=True)
-    counts = torch.zeros(num_slots, dtype=torch.int64, device=token_slots.device)
+    counts = torch.zeros(num_slots, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, token_slots, torch.ones_like(token_slots))
-    return LoRAMeta(order, torch.cumsum(counts, 0) - counts, counts)
+    starts = torch.cumsum(counts, 0) - counts
+    per_slot = (counts + BLOCK_M - 1) // BLOCK_M
+    per_slot[0] = 0  # the base model's tokens need no delta
+    ends = torch.cumsum(per_slot, 0)
+    block = torch.arange(num_blocks(token_slots.shape[0], num_slots), device=dev)
+    slot = torch.searchsorted(ends, block, right=True)
+    first = (ends - per_slot)[slot.clamp(max=num_slots - 1)]
+    pos = starts[slot.clamp(max=num_slots - 1)] + (block - first) * BLOCK_M
+    return LoRAMeta(order, starts, counts, slot, pos)
 
 
 @triton.jit
-def _tokens(order_ptr, starts_ptr, counts_ptr, slot, m, BLOCK_M: tl.constexpr):
-    count = tl.load(counts_ptr + slot)
-    rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = rows < count
-    tok = tl.load(order_ptr + tl.load(starts_ptr + slot) + rows, mask=valid, other=0)
-    return tok, valid, m * BLOCK_M < count
+def _block_tokens(order_ptr, starts_ptr, counts_ptr, block_slot_ptr, block_pos_ptr, pid, S,
+                  BLOCK_M: tl.constexpr):
+    """The block's slot, token indices and row mask (slot == S: no block)."""
+    slot = tl.load(block_slot_ptr + pid)
+    slot_c = tl.minimum(slot, S - 1)
+    end = tl.load(starts_ptr + slot_c) + tl.load(counts_ptr + slot_c)
+    end = tl.where(slot < S, end, 0)
+    rows = tl.load(block_pos_ptr + pid) + tl.arange(0, BLOCK_M)
+    valid = rows < end
+    tok = tl.load(order_ptr + rows, mask=valid, other=0)
+    return slot, tok, valid
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, counts_ptr, K, R,
-                   stride_x, stride_as, stride_ar, stride_h,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    m, slot = tl.program_id(0), tl.program_id(1)
-    if slot == 0:
+def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, counts_ptr, block_slot_ptr,
+                   block_pos_ptr, S, K, R, stride_x, stride_as, stride_ar, stride_hs, stride_h,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                   SPLIT_K: tl.constexpr):
+    pid, split, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot, tok, valid = _block_tokens(order_ptr, starts_ptr, counts_ptr, block_slot_ptr,
+                                     block_pos_ptr, pid, S, BLOCK_M)
+    if slot >= S:
         return
-    tok, valid, any_rows = _tokens(order_ptr, starts_ptr, counts_ptr, slot, m, BLOCK_M)
-    if not any_rows:
-        return
-    r = tl.arange(0, BLOCK_R)
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(split * SPLIT_K, tl.minimum(split * SPLIT_K + SPLIT_K, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + tok[:, None] * stride_x + k[None, :],
                     mask=valid[:, None] & (k[None, :] < K), other=0.0)
         a = tl.load(a_ptr + slot * stride_as + r[None, :] * stride_ar + k[:, None],
                     mask=(r[None, :] < R) & (k[:, None] < K), other=0.0)
-        acc += tl.dot(x.to(tl.float32), a.to(tl.float32))
-    tl.store(h_ptr + tok[:, None] * stride_h + r[None, :], acc,
+        acc = tl.dot(x, a.to(x.dtype), acc)
+    tl.store(h_ptr + split * stride_hs + tok[:, None] * stride_h + r[None, :], acc,
              mask=valid[:, None] & (r[None, :] < R))
 
 
 @triton.jit
-def _expand_kernel(h_ptr, b_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, N, R,
-                   stride_h, stride_bs, stride_bn, stride_out, num_n_blocks,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    pid, slot = tl.program_id(0), tl.program_id(1)
-    if slot == 0:
+def _expand_kernel(h_ptr, b_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, block_slot_ptr,
+                   block_pos_ptr, S, N, R, num_splits, stride_hs, stride_h, stride_bs, stride_bn,
+                   stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
+    pid, nb = tl.program_id(0), tl.program_id(1)
+    slot, tok, valid = _block_tokens(order_ptr, starts_ptr, counts_ptr, block_slot_ptr,
+                                     block_pos_ptr, pid, S, BLOCK_M)
+    if slot >= S:
         return
-    m, nb = pid // num_n_blocks, pid % num_n_blocks
-    tok, valid, any_rows = _tokens(order_ptr, starts_ptr, counts_ptr, slot, m, BLOCK_M)
-    if not any_rows:
-        return
-    r = tl.arange(0, BLOCK_R)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    h = tl.load(h_ptr + tok[:, None] * stride_h + r[None, :],
-                mask=valid[:, None] & (r[None, :] < R), other=0.0)
-    b = tl.load(b_ptr + slot * stride_bs + n[None, :] * stride_bn + r[:, None],
-                mask=(n[None, :] < N) & (r[:, None] < R), other=0.0)
-    delta = tl.dot(h, b.to(tl.float32))
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        h_mask = valid[:, None] & (r[None, :] < R)
+        h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for s in range(0, num_splits):  # the shrink's partial sums, in a fixed order
+            h += tl.load(h_ptr + s * stride_hs + tok[:, None] * stride_h + r[None, :],
+                         mask=h_mask, other=0.0)
+        b = tl.load(b_ptr + slot * stride_bs + n[None, :] * stride_bn + r[:, None],
+                    mask=(n[None, :] < N) & (r[:, None] < R), other=0.0)
+        acc = tl.dot(h.to(b.dtype), b, acc)
     mask = valid[:, None] & (n[None, :] < N)
     ptrs = out_ptr + tok[:, None] * stride_out + n[None, :]
     cur = tl.load(ptrs, mask=mask, other=0.0)
-    tl.store(ptrs, (cur.to(tl.float32) + delta).to(cur.dtype), mask=mask)
+    tl.store(ptrs, (cur.to(tl.float32) + acc).to(cur.dtype), mask=mask)
 
 
 def _block_r(rank: int) -> int:
-    return max(16, triton.next_power_of_2(rank))
+    return min(MAX_BLOCK_R, max(16, triton.next_power_of_2(rank)))
+
+
+def _meta_args(meta: LoRAMeta) -> tuple[torch.Tensor, ...]:
+    return meta.order, meta.starts, meta.counts, meta.block_slot, meta.block_pos
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta: LoRAMeta) -> torch.Tensor:
-    """h [T, R] float32 = x @ A[slot].T per token (rows of slot-0 tokens are left unset)."""
+    """h [splits, T, R] float32: each K split's part of x @ A[slot].T per token (rows of
+    slot-0 tokens are left unset)."""
     num_tokens, k = x.shape
     slots, rank, _ = a.shape
-    h = torch.empty(num_tokens, rank, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(num_tokens, BLOCK_M), slots)
-    _shrink_kernel[grid](x, a, h, meta.order, meta.starts, meta.counts, k, rank,
-                         x.stride(0), a.stride(0), a.stride(1), h.stride(0),
-                         BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=_block_r(rank))
+    splits, block_r = triton.cdiv(k, SPLIT_K), _block_r(rank)
+    h = torch.empty(splits, num_tokens, rank, dtype=torch.float32, device=x.device)
+    grid = (meta.block_slot.shape[0], splits, triton.cdiv(rank, block_r))
+    _shrink_kernel[grid](x, a, h, *_meta_args(meta), slots, k, rank,
+                         x.stride(0), a.stride(0), a.stride(1), h.stride(0), h.stride(1),
+                         BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=block_r, SPLIT_K=SPLIT_K)
     return h
 
 
 def lora_expand(h: torch.Tensor, b: torch.Tensor, meta: LoRAMeta, out: torch.Tensor) -> None:
-    """out[t] += h[t] @ B[slot].T for every token of a slot > 0 (in place)."""
-    num_tokens = h.shape[0]
+    """out[t] += (the sum of h's splits)[t] @ B[slot].T for every token of a slot > 0 (in
+    place)."""
+    splits = h.shape[0]
     slots, n, rank = b.shape
-    num_n = triton.cdiv(n, BLOCK_N)
-    grid = (triton.cdiv(num_tokens, BLOCK_M) * num_n, slots)
-    _expand_kernel[grid](h, b, out, meta.order, meta.starts, meta.counts, n, rank,
-                         h.stride(0), b.stride(0), b.stride(1), out.stride(0), num_n,
+    grid = (meta.block_slot.shape[0], triton.cdiv(n, BLOCK_N))
+    _expand_kernel[grid](h, b, out, *_meta_args(meta), slots, n, rank, splits,
+                         h.stride(0), h.stride(1), b.stride(0), b.stride(1), out.stride(0),
                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=_block_r(rank))

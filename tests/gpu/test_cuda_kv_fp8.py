@@ -1,6 +1,6 @@
 """FP8 KV cache on CUDA: the Triton kernels (bf16 queries, long contexts) against the torch
-reference on the same FP8 cache; engines with CUDA graphs equal to eager ones; calculated scales,
-FP8 weights and a draft model together with the FP8 cache."""
+reference on the same FP8 cache; pipelined engines equal to blocking ones and close to eager
+ones; calculated scales, FP8 weights and a draft model together with the FP8 cache."""
 
 from __future__ import annotations
 
@@ -52,10 +52,15 @@ def _greedy(**kw: object) -> list[list[int]]:
     {"kv_cache_dtype": "fp8", "speculative_config": {
         "method": "draft_model", "model": "photon-tiny-draft", "num_speculative_tokens": 3}},
 ], ids=["fp8-kv", "calculated", "fp8-weights", "draft"])
-def test_graphs_equal_eager_and_agree_with_bf16_kv(kw: dict) -> None:
+def test_graphs_pipelined_equal_blocking_and_agree_with_eager_and_bf16_kv(kw: dict) -> None:
+    """Pipelined equals blocking token for token (same graphs, same batches). Graphs against
+    eager agree closely but need not be equal: a graph runs the padded batch, whose GEMMs may
+    pick other kernels than the eager batch's, and FP8 rounding turns a last-bit difference in
+    a key or value into a whole FP8 step, enough to flip a near-tie of photon-tiny's logits."""
     graphs = _greedy(**kw)
+    assert _greedy(pipelined=False, **kw) == graphs
     eager = _greedy(enforce_eager=True, **kw)
-    assert graphs == eager
+    assert _prefix_agreement(graphs, eager) >= 0.9
     bf16 = _greedy(**{k: v for k, v in kw.items() if k not in ("kv_cache_dtype",
                                                                "calculate_kv_scales")})
     assert _prefix_agreement(bf16, graphs) >= 0.75
