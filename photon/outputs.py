@@ -42,6 +42,7 @@ class RequestMetrics:
 
     arrival_time: float  # when EngineCore.add_request created it
     first_scheduled_time: float | None = None  # first admission into a running batch
+    first_token_time: float | None = None  # commit of the first output token (any child)
 
 
 @dataclass

@@ -33,6 +33,7 @@ def test_three_adapters_two_slots(capsys: pytest.CaptureFixture[str]) -> None:
     # 3 adapters in 2 slots: at least one adapter had to be loaded again.
     assert summary["lora_slot_loads"] >= 3
     assert summary["num_prompts"] == 6 and summary["output_tokens"] > 0  # all completed
+    assert 0 < summary["ttft_p50_s"] <= summary["ttft_p99_s"] <= summary["elapsed_s"]
 
 
 def test_without_adapters_the_fields_say_none(capsys: pytest.CaptureFixture[str]) -> None:
@@ -62,3 +63,8 @@ def test_assignment() -> None:
     drawn = assign(adapters, 20, "random", 7)
     assert drawn == assign(adapters, 20, "random", 7) and set(drawn) == set(adapters)
     assert assign([], 3, "random", 0) is None
+    many = [f"a{i}" for i in range(50)]
+    zipf = assign(many, 2000, "zipf", 1)
+    assert zipf == assign(many, 2000, "zipf", 1)
+    # weight 1/i: the first adapter is drawn about twice as often as the second, 50x the last
+    assert zipf.count("a0") > 1.5 * zipf.count("a1") > 0 and zipf.count("a0") > 10 * zipf.count("a49")

@@ -119,8 +119,9 @@ def run_throughput(ns: argparse.Namespace) -> int:
             _warmup(llm, ns, adapters)
         before, loads_before = llm.engine.spec_stats(), slot_loads(llm)
         loras = assign(adapters, len(workload), lora.assignment, ns.workload_seed)
-        elapsed, output_tokens = _timed_generate(llm, workload, loras)
+        elapsed, output_tokens, ttft = _timed_generate(llm, workload, loras)
         summary = _summary(ns, llm, workload, elapsed, output_tokens, ceilings)
+        summary.update(ttft)
         summary.update(_spec_summary(before, llm.engine.spec_stats()))
         summary.update(lora_summary(lora, llm, slot_loads(llm) - loads_before))
     if summary["dollars_per_million_output_tokens"] is not None:
@@ -212,7 +213,9 @@ def _sync(llm: Any) -> None:
 
 
 def _timed_generate(llm: Any, workload: Workload,
-                    loras: list[Any] | None) -> tuple[float, int]:
+                    loras: list[Any] | None) -> tuple[float, int, dict[str, float | None]]:
+    """Elapsed seconds, output tokens and the requests' time-to-first-token percentiles
+    (every request arrives at the start, so TTFT includes its wait for admission)."""
     prompt_tokens, want = totals(workload)
     _log(f"timing {len(workload)} prompts: {prompt_tokens} prompt, {want} output tokens")
     params = _sampling(workload)
@@ -226,7 +229,17 @@ def _timed_generate(llm: Any, workload: Workload,
     if got != want:
         raise RuntimeError(f"generated {got} output tokens, the workload asked for {want}")
     _log(f"{got} output tokens in {elapsed:.3f} s = {got / elapsed:.1f} tok/s")
-    return elapsed, got
+    return elapsed, got, ttft_percentiles(outputs)
+
+
+def ttft_percentiles(outputs: list[Any]) -> dict[str, float | None]:
+    """p50 / p99 of first-token time minus arrival over the outputs, in seconds."""
+    ttfts = sorted(o.metrics.first_token_time - o.metrics.arrival_time for o in outputs
+                   if o.metrics is not None and o.metrics.first_token_time is not None)
+    if not ttfts:
+        return {"ttft_p50_s": None, "ttft_p99_s": None}
+    return {"ttft_p50_s": ttfts[len(ttfts) // 2],
+            "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]}
 
 
 def model_costs(llm: Any) -> ModelCosts:

@@ -24,7 +24,8 @@ from photon.lora.adapter import CONFIG_FILE, TARGETS, WEIGHTS_FILE, target_shape
 
 DISTINCT_WEIGHTS = 8
 DEFAULT_TARGETS = "q,k,v,o,gate,up,down"
-ASSIGNMENTS = ("round-robin", "random")
+ASSIGNMENTS = ("round-robin", "random", "zipf")
+ZIPF_EXPONENT = 1.0  # adapter i (from 1) is drawn with weight 1 / i ** ZIPF_EXPONENT
 INIT_STD = 0.01  # small: the adapters perturb the base model without swamping it
 
 
@@ -50,8 +51,9 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
                    help="Comma-separated projections the adapters target, of q, k, v, o, gate, "
                         f"up, down (default {DEFAULT_TARGETS}).")
     g.add_argument("--lora-assignment", default="round-robin", choices=ASSIGNMENTS,
-                   help="How requests get adapters: in turn, or drawn with --workload-seed "
-                        "(default round-robin).")
+                   help="How requests get adapters: in turn, drawn uniformly, or drawn "
+                        f"Zipf-distributed (adapter i with weight 1/i^{ZIPF_EXPONENT:g}), the draws "
+                        "seeded by --workload-seed (default round-robin).")
 
 
 def check_lora_args(ns: argparse.Namespace) -> LoRABench:
@@ -132,9 +134,12 @@ def assign(adapters: list[Any], num_requests: int, how: str, seed: int) -> list[
     """One adapter per request (None without adapters)."""
     if not adapters:
         return None
+    rng = random.Random(seed)
     if how == "random":
-        rng = random.Random(seed)
         return [rng.choice(adapters) for _ in range(num_requests)]
+    if how == "zipf":
+        weights = [1 / (i + 1) ** ZIPF_EXPONENT for i in range(len(adapters))]
+        return rng.choices(adapters, weights=weights, k=num_requests)
     return [adapters[i % len(adapters)] for i in range(num_requests)]
 
 

@@ -4,6 +4,8 @@ and calls these; they touch only the request's own output fields."""
 
 from __future__ import annotations
 
+import time
+
 from photon.core.step import CommittedToken, PromptScores
 from photon.engine.logprobs import TokenText, logprob_entry
 from photon.engine.request import FinishReason, Request
@@ -13,6 +15,8 @@ def append_token(req: Request, tok: CommittedToken, text: TokenText | None) -> s
     """Append `tok` to the request's output; return the stop string its text completed, if any
     (stop strings count only from min_tokens on)."""
     req.output_token_ids.append(tok.token_id)
+    if req.first_token_time is None:
+        req.first_token_time = time.monotonic()
     want = req.params.logprobs
     if want is not None and tok.logprob is not None:
         req.cumulative_logprob += tok.logprob

@@ -7,6 +7,7 @@ far. The engine core owns the per-request state and calls `request_output`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from photon.engine.request import Request
@@ -31,8 +32,8 @@ def request_output(parent_id: str, children: list[Request], state: DeltaState | 
         outs = [delta_output(r, state) for r in children]
     else:
         outs = cumulative_outputs(children)
-    scheduled = [r.scheduled_time for r in children if r.scheduled_time is not None]
-    metrics = RequestMetrics(first.arrival_time, min(scheduled) if scheduled else None)
+    metrics = RequestMetrics(first.arrival_time, _earliest(r.scheduled_time for r in children),
+                             _earliest(r.first_token_time for r in children))
     error = next((r.error for r in children if r.error is not None), None)
     # Delta outputs go out every step: share the prompt ids instead of copying them each time.
     prompt_ids = first.prompt_token_ids if state is not None else list(first.prompt_token_ids)
@@ -41,6 +42,11 @@ def request_output(parent_id: str, children: list[Request], state: DeltaState | 
                          prompt_logprobs=prompt_logprobs(first, state),
                          num_cached_tokens=first.num_cached_tokens, error=error,
                          kv_transfer_params=first.kv_transfer_params_out)
+
+
+def _earliest(times: Iterable[float | None]) -> float | None:
+    known = [t for t in times if t is not None]
+    return min(known) if known else None
 
 
 def prompt_logprobs(first: Request, state: DeltaState | None) -> PromptLogprobs | None:

@@ -293,9 +293,11 @@ class _CoreLoop:
 def _delta(out: RequestOutput) -> RequestDelta:
     children = [ChildDelta(c.index, c.token_ids, c.finish_reason, c.stop_reason,
                            c.cumulative_logprob, c.logprobs) for c in out.outputs]
-    first = out.metrics.first_scheduled_time if out.metrics is not None else None
-    return RequestDelta(out.request_id, children, out.finished, first, out.prompt_logprobs,
-                        out.num_cached_tokens, out.error, out.kv_transfer_params)
+    m = out.metrics
+    return RequestDelta(out.request_id, children, out.finished,
+                        None if m is None else m.first_scheduled_time, out.prompt_logprobs,
+                        out.num_cached_tokens, out.error, out.kv_transfer_params,
+                        first_token_time=None if m is None else m.first_token_time)
 
 
 if __name__ == "__main__":

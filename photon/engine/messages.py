@@ -97,6 +97,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's final output
     accepted: bool = False
     refused: Refusal | None = None
+    first_token_time: float | None = None
 
 
 def refusal(e: Exception) -> Refusal:

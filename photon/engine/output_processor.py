@@ -77,7 +77,8 @@ class OutputProcessor:
                     range(req.params.n)]
         prompt_lps = _with_texts(delta.prompt_logprobs, self._texts(req))
         return RequestOutput(req.user_id, None, req.prompt_token_ids, outs, finished,
-                             RequestMetrics(req.arrival_time, delta.first_scheduled_time),
+                             RequestMetrics(req.arrival_time, delta.first_scheduled_time,
+                                            delta.first_token_time),
                              prompt_lps, delta.num_cached_tokens, delta.error,
                              delta.kv_transfer_params), stopped
 

@@ -94,6 +94,7 @@ class Request:
     grammar: RequestGrammar | None = None  # structured outputs: compile state, then matcher
     error: str | None = None  # why the request failed (e.g. its grammar did not compile)
     scheduled_time: float | None = None
+    first_token_time: float | None = None  # commit of its first output token
     # Disaggregation (photon.kv_transfer): the request's kv_transfer_params, whether its remote
     # load was tried (once: a retry computes locally), whether it holds blocks while waiting
     # (loaded, not yet admitted), whether its blocks outlive it until a transfer is done, and
