@@ -103,16 +103,35 @@ triton_only = pytest.mark.skipif(
 @triton_only
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_wna16_triton_kernel_matches_dequantized_matmul(bits: int, symmetric: bool) -> None:
+def test_wna16_triton_paths_match_dequantized_matmul(bits: int, symmetric: bool) -> None:
+    """Both paths on tiny shapes: the fused kernel at each BLOCK_M (with K split or not), and
+    dequantize-then-linear (forced with a threshold of 1 row) whose weight is bitwise the
+    reference's. Groups of 32 span several per tile, and N = 80 and K = 160 are not multiples of
+    the tiles; groups of 128 hold whole tiles (one scale per row and tile)."""
+    w = randn(80, 160, seed=4) * 0.05
+    _check_wna16_paths(w, bits, 32, symmetric, ((3, 2), (20, 1), (40, 1)))
+    w = randn(80, 256, seed=8) * 0.05
+    _check_wna16_paths(w, bits, 128, symmetric, ((3, 4), (40, 1)))
+
+
+def _check_wna16_paths(w: torch.Tensor, bits: int, group: int, symmetric: bool,
+                       fused: tuple[tuple[int, int], ...]) -> None:
     from photon.kernels.wna16 import wna16_gemm
 
-    w = randn(80, 384, seed=4) * 0.05  # N not a multiple of the tile; three groups
-    layer, method = _wna16_layer(w, bits, 128, symmetric)
-    x = randn(19, 384, seed=5)
-    out = wna16_gemm(x, layer.weight_packed, layer.weight_scale, method.zero_point(layer),
-                     bits, 128)
-    ref = x @ method.dequantized(layer, torch.float32).t()
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    layer, method = _wna16_layer(w, bits, group, symmetric)
+    args = (layer.weight_packed, layer.weight_scale, method.zero_point(layer), bits, group)
+    ref_w = method.dequantized(layer, torch.float32)
+    k = w.shape[1]
+    for m, split_k in fused:  # BLOCK_M 16 for m = 3, 32 for 20, 64 for 40
+        x = randn(m, k, seed=m)
+        out = wna16_gemm(x, *args, split_k=split_k)
+        torch.testing.assert_close(out, x @ ref_w.t(), atol=1e-4, rtol=1e-4)
+    # The dequantized weight is bitwise the reference's, so is the linear. float32 only: the
+    # interpreter truncates float32 -> bfloat16 (CUDA rounds to nearest even, checked bitwise in
+    # tests/gpu/test_cuda_quant.py).
+    x, bias = randn(5, k, seed=7), randn(w.shape[0], seed=6)
+    out = wna16_gemm(x, *args, bias=bias, dequant_min_tokens=1)
+    assert torch.equal(out, torch.nn.functional.linear(x, ref_w, bias))
 
 
 # ---------------------------------------------------------------- checkpoint round trips

@@ -2,8 +2,9 @@
 
 Checkpoint tensors per linear: weight_packed int32 [N, K / (32 / bits)], weight_scale [N, K / G],
 weight_shape [2], and weight_zero_point (int32, packed along the output dim) when asymmetric.
-On CUDA with Triton the GEMM is photon.kernels.wna16 (dequantized tile by tile); otherwise the
-reference path dequantizes the whole weight and multiplies in the activation dtype.
+On CUDA with Triton the GEMM is photon.kernels.wna16 (a fused dequantize-GEMM for few tokens, a
+Triton dequantize then cuBLAS for many); otherwise the reference path dequantizes the whole
+weight and multiplies in the activation dtype.
 """
 
 from __future__ import annotations
@@ -66,6 +67,5 @@ class WNA16Method(LinearMethod):
                 ) -> torch.Tensor:
         from photon.kernels.wna16 import wna16_gemm
 
-        out = wna16_gemm(x.contiguous(), layer.weight_packed, layer.weight_scale,
-                         self.zero_point(layer), self.num_bits, self.group_size)
-        return out if bias is None else out + bias
+        return wna16_gemm(x.contiguous(), layer.weight_packed, layer.weight_scale,
+                          self.zero_point(layer), self.num_bits, self.group_size, bias)

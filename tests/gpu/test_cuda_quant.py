@@ -1,5 +1,5 @@
 """Quantized GEMMs and engines on CUDA: torch._scaled_mm (FP8), torch._int_mm (INT8) and the
-W4A16 Triton kernel against the reference path; greedy outputs with CUDA graphs equal eager
+W4A16 / W8A16 Triton paths against the reference path; greedy outputs with CUDA graphs equal eager
 ones; no host sync inside a quantized step."""
 
 from __future__ import annotations
@@ -53,13 +53,29 @@ def test_int8_int_mm_matches_reference(m: int) -> None:
     torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("m", [1, 33])
-def test_w4a16_kernel_matches_reference(m: int) -> None:
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 20, 33, 300])  # fused (K split, BLOCK_M 32, 64); dequantize
+def test_wna16_kernel_matches_reference(m: int, bits: int) -> None:
+    from photon.kernels.wna16 import DEQUANT_MIN_TOKENS
+
+    assert (m >= DEQUANT_MIN_TOKENS) == (m == 300)
     x, w = _inputs(m)
-    layer, method = _wna16_layer(w, 4, 128, symmetric=False)
+    layer, method = _wna16_layer(w, bits, 128, symmetric=False)
     ref = x.float() @ method.dequantized(layer, torch.float32).t()
     out = method.apply(layer, x, None)
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    assert torch.equal(method.apply(layer, x, None), out)  # bitwise reproducible (no atomics)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_wna16_dequantize_is_bitwise_the_reference(symmetric: bool) -> None:
+    from photon.kernels.wna16 import wna16_dequantize
+
+    _, w = _inputs(1)
+    layer, method = _wna16_layer(w, 4, 128, symmetric)
+    out = wna16_dequantize(layer.weight_packed, layer.weight_scale, method.zero_point(layer),
+                           4, 128, torch.bfloat16)
+    assert torch.equal(out, method.dequantized(layer, torch.bfloat16))
 
 
 def _greedy(model: str, enforce_eager: bool, **kw: object) -> list[list[int]]:
