@@ -52,7 +52,7 @@ def lora_meta(token_slots: torch.Tensor, num_slots: int) -> LoRAMeta:
     counts.scatter_add_(0, token_slots, torch.ones_like(token_slots))
     starts = torch.cumsum(counts, 0) - counts
     per_slot = (counts + BLOCK_M - 1) // BLOCK_M
-    per_slot[0] = 0  # the base model's tokens need no delta
+    per_slot[:1].zero_()  # the base model's tokens need no delta (a device op: graph-safe)
     ends = torch.cumsum(per_slot, 0)
     block = torch.arange(num_blocks(token_slots.shape[0], num_slots), device=dev)
     slot = torch.searchsorted(ends, block, right=True)
