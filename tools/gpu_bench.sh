@@ -26,7 +26,7 @@
 #               quality_SCHEME.json (not in the default set; needs ~40 GB of disk)
 #   lora        the offline workload with 0, 1, 8 and 32 synthetic LoRA adapters (--max-loras =
 #               adapters) and a slot-churn run (500 adapters on qwen3-0.6b, 64 on llama-3.1-8b,
-#               --max-loras 16): lora_SHAPE_N.json (not in the default set)
+#               drawn Zipf-distributed, --max-loras 16): lora_SHAPE_N.json (not in the default set)
 # Two-GPU steps (skipped, with a message, when fewer than 2 GPUs are visible; not in the default
 # set):
 #   parallel    offline throughput at -tp 1 and -tp 2 on qwen3-0.6b and llama-3.1-8b:
@@ -204,7 +204,7 @@ step_lora() {  # N adapters in N slots, then adapters taking turns in 16 slots
     churn=500  # the larger shape's adapters are ~90 MB each on disk: 64 of them
     [ "$shape" = llama-3.1-8b ] && churn=64
     run "${photon[@]}" bench throughput --model-shape "$shape" --num-lora-adapters "$churn" \
-      --max-loras 16 --output-json "$out/lora_${shape}_$churn.json"
+      --lora-assignment zipf --max-loras 16 --output-json "$out/lora_${shape}_$churn.json"
   done
 }
 
