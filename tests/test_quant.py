@@ -134,6 +134,32 @@ def _check_wna16_paths(w: torch.Tensor, bits: int, group: int, symmetric: bool,
     assert torch.equal(out, torch.nn.functional.linear(x, ref_w, bias))
 
 
+@triton_only
+def test_fused_per_token_quant_matches_reference() -> None:
+    """The one-kernel activation quantization (photon.kernels.quant) against the torch reference:
+    INT8 bit for bit (ties to even included) and FP8 scales exactly. Triton's interpreter
+    truncates to FP8 where CUDA rounds to nearest even (and without carrying into the exponent:
+    127.9 -> 64, not 128), so on CPU an FP8 value may only fall short of the reference, by at
+    most half of it or one subnormal step; tests/gpu/test_cuda_quant.py checks FP8 bit for bit."""
+    from photon.kernels.quant import per_token_fp8_fused, per_token_int8_fused
+
+    x = randn(6, 1500, seed=3) * 3
+    x[2] = 0  # an all-zero row: the smallest scale, zeros out
+    x[3, 0] = 1e4  # one outlier sets its row's scale
+    ties = torch.tensor([0.5, 1.5, 2.5, -2.5, -3.5, 126.5, 127.0, -0.5])
+    for xs in (x, ties.reshape(1, -1)):
+        q, scale = per_token_int8_fused(xs)
+        q_ref, scale_ref = qn.per_token_int8(xs)
+        assert torch.equal(scale, scale_ref) and torch.equal(q, q_ref)
+    q, scale = per_token_fp8_fused(x)
+    q_ref, scale_ref = qn.per_token_fp8(x)
+    assert torch.equal(scale, scale_ref)
+    got, want = q.float(), q_ref.float()
+    short = (got.abs() < want.abs()) & (got * want >= 0) & \
+        ((want - got).abs() <= torch.clamp(want.abs() / 2, min=2.0 ** -9))
+    assert torch.equal(got[~short], want[~short]) and (got == want).float().mean() > 0.9
+
+
 # ---------------------------------------------------------------- checkpoint round trips
 
 

@@ -24,7 +24,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
                 input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] times int8 weight [N, K] with scales [N, 1] -> [M, N] in x's dtype."""
     if input_scale is None:
-        xq, xs = per_token_int8(x)
+        xq, xs = _per_token(x)
     else:
         xs = input_scale.reshape(1, 1)
         xq = to_int(x, xs, -128, 127)
@@ -36,6 +36,15 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     acc = torch._int_mm(xq, weight.t())[:rows]
     out = (acc.float() * xs * weight_scale.reshape(1, -1)).to(x.dtype)
     return out if bias is None else out + bias
+
+
+def _per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token INT8 activations: one fused kernel on CUDA, the torch reference elsewhere."""
+    if not x.is_cuda:
+        return per_token_int8(x)
+    from photon.kernels.quant import per_token_int8_fused
+
+    return per_token_int8_fused(x.contiguous())
 
 
 def _int_mm_fits(weight: torch.Tensor) -> bool:

@@ -1,5 +1,5 @@
-"""Quantized GEMMs and engines on CUDA: torch._scaled_mm (FP8), torch._int_mm (INT8) and the
-W4A16 / W8A16 Triton paths against the reference path; greedy outputs with CUDA graphs equal eager
+"""Quantized GEMMs and engines on CUDA: torch._scaled_mm (FP8), torch._int_mm (INT8), the fused
+per-token activation quantization and the W4A16 / W8A16 Triton paths against the reference path; greedy outputs with CUDA graphs equal eager
 ones; no host sync inside a quantized step."""
 
 from __future__ import annotations
@@ -40,6 +40,22 @@ def test_fp8_scaled_mm_matches_reference(m: int) -> None:
     out = fp8_linear(x, wq, ws, None, None)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@needs_fp8
+@pytest.mark.parametrize("m", [1, 33, 300])
+def test_fused_per_token_quant_is_bitwise_the_reference(m: int) -> None:
+    from photon.kernels.quant import per_token_fp8_fused, per_token_int8_fused
+
+    x, _ = _inputs(m)
+    x[0, 0] = 0.5 * x[0].abs().max()  # not an outlier; rows keep their own scales
+    for fused, ref in ((per_token_fp8_fused, qn.per_token_fp8),
+                       (per_token_int8_fused, qn.per_token_int8)):
+        q, scale = fused(x)
+        q_ref, scale_ref = ref(x)
+        assert torch.equal(scale, scale_ref)
+        assert torch.equal(q.view(torch.uint8) if q.dtype != torch.int8 else q,
+                           q_ref.view(torch.uint8) if q_ref.dtype != torch.int8 else q_ref)
 
 
 @pytest.mark.parametrize("m", [1, 17, 64])
