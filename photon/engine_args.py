@@ -202,8 +202,10 @@ class EngineArgs:
             "(torch.distributed send/recv; gloo on CPU): kv_ip and kv_port of the prefill "
             "instance's rendezvous (default 127.0.0.1, port 0: a free one); "
             "allowed_remote_hosts: the prefill hosts a decode instance may connect to "
-            "(default: localhost, 127.0.0.1, ::1 and kv_ip; \"*\": any). With "
-            "--tensor-parallel-size N: SharedMemoryConnector, N equal on both instances. "
+            "(default: localhost, 127.0.0.1, ::1 and kv_ip; \"*\": any); with "
+            "--tensor-parallel-size N rank r listens on kv_port + r. With "
+            "--tensor-parallel-size N (either connector): N equal on both instances, every "
+            "rank moves its own KV shard. "
             "Default: off."))
 
     enable_lora: bool = field(default=False, metadata=_help(
@@ -377,11 +379,11 @@ def _kv_transfer_config(value: object, tensor_parallel_size: int) -> KVTransferC
     from photon.kv_transfer.config import FLAG, parse_kv_transfer_config
 
     config = parse_kv_transfer_config(value)
-    if config is not None and tensor_parallel_size > 1 \
-            and config.kv_connector != "SharedMemoryConnector":
-        raise ConfigError(f"{FLAG}: kv_connector {config.kv_connector} is not supported with "
-                          f"{flag('tensor_parallel_size')} > 1 yet; use SharedMemoryConnector "
-                          f"(every rank moves its own KV shard) or tensor_parallel_size 1")
+    port = 0 if config is None else config.extra.kv_port
+    if port and port + tensor_parallel_size - 1 > 65535:  # rank r listens on kv_port + r
+        raise ConfigError(f"{FLAG}: kv_connector_extra_config.kv_port {port} leaves no port "
+                          f"for each of the {tensor_parallel_size} ranks (rank r listens on "
+                          f"kv_port + r, at most 65535); choose a lower one or 0 (free ports)")
     return config
 
 

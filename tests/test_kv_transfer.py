@@ -119,6 +119,8 @@ def test_config_defaults_and_json() -> None:
      "remote_engine_id"),
     ({"remote_block_ids": [1, -2]}, "remote_block_ids"),
     ({"remote_port": 70000}, "remote_port"),
+    ({"remote_ports": [5555, True]}, "remote_ports"),
+    ({"remote_ports": 5555}, "remote_ports"),
     ({"bogus": 1}, "bogus"),
 ])
 def test_params_errors_name_the_key(value: dict, key: str) -> None:

@@ -22,6 +22,7 @@ from photon.kv_transfer.metadata import KVConnectorMetadata, KVTransferReport, L
 from tests.test_kv_transfer import (
     ENGINE,
     MODEL,
+    PREFILL,
     _drain_producer,
     _ids,
     _prompts,
@@ -101,10 +102,53 @@ def test_tp2_pair_equals_one_instance(rendezvous: str) -> None:  # noqa: F811
         _shutdown(prefill, decode)
 
 
-def test_nccl_connector_refused_with_tp() -> None:
-    kvt = {"kv_connector": "NcclConnector", "kv_role": "kv_consumer"}
-    with pytest.raises(ConfigError, match="NcclConnector is not supported with "
-                                          "tensor_parallel_size"):
+def _nccl(role: str) -> LLM:
+    return LLM(MODEL, tensor_parallel_size=2, kv_transfer_config={
+        "kv_connector": "NcclConnector", "kv_role": role}, **ENGINE)
+
+
+def test_nccl_tp2_pair_equals_one_instance() -> None:
+    """NcclConnector (gloo): rank r of the decode instance pairs with rank r of the prefill
+    instance (each its own rendezvous, its port in remote_ports) and the greedy outputs equal
+    one tp=1 instance's; a rank that reaches the other rank's rendezvous is refused and the
+    whole request recomputes; both drain with every block free."""
+    prompts = _prompts(4, seed=6)
+    want = _ids(_llm(None, tp=1).generate(prompts, GREEDY, use_tqdm=False))
+    prefill, decode = _nccl("kv_producer"), _nccl("kv_consumer")
+    try:
+        outs = _transfer(prefill, decode, prompts, GREEDY)
+        assert _ids(outs) == want
+        stats = decode.engine.stats().kv_transfer
+        assert (stats.num_received, stats.num_load_failures) == (len(prompts), 0)
+        assert decode.engine.runner.kv_connector.local.stats().bytes_received * 2 == \
+            stats.bytes_received > 0
+        params = prefill.generate(prompts[:1], PREFILL, use_tqdm=False,
+                                  kv_transfer_params={"do_remote_decode": True})
+        params = params[0].kv_transfer_params
+        ports = params["remote_ports"]
+        assert len(set(ports)) == 2 and ports[0] == params["remote_port"]
+        # each rank's shard goes once: rank 1 asking rank 0 fails, then rank 0 asking rank 1
+        for port in ports:
+            outs = decode.generate(prompts[:1], GREEDY, use_tqdm=False,
+                                   kv_transfer_params={**params, "remote_ports": [port] * 2})
+            assert _ids(outs) == want[:1]
+        stats = decode.engine.stats().kv_transfer
+        assert (stats.num_received, stats.num_load_failures) == (len(prompts), 2)
+        with pytest.raises(ParamError, match="remote_ports must name") as e:
+            decode.generate(prompts[:1], GREEDY, use_tqdm=False,
+                            kv_transfer_params={**params, "remote_ports": ports[:1]})
+        assert e.value.param == "kv_transfer_params.remote_ports"
+        decode.engine.assert_drained()
+        _drain_producer(prefill)
+        assert prefill.engine.stats().kv_transfer.num_expired_leases == 0
+    finally:
+        _shutdown(prefill, decode)
+
+
+def test_kv_port_leaves_a_port_per_rank() -> None:
+    kvt = {"kv_connector": "NcclConnector", "kv_role": "kv_producer",
+           "kv_connector_extra_config": {"kv_port": 65535}}
+    with pytest.raises(ConfigError, match="kv_port 65535 leaves no port"):
         EngineArgs(model=MODEL, tensor_parallel_size=2, kv_transfer_config=kvt).create_config()
 
 

@@ -11,7 +11,8 @@ dead rank 0 closes it at once); a zmq PUB socket could drop a slow joiner's firs
 
 Message bytes: b"P" + a msgpack StepPlan, b"A" (audit: report the table's live rows and pending
 KV transfers), b"K" (KV transfers: every rank reports what its connector finished, all-gathered;
-sent only while a transfer waits for a rank, see photon.distributed.kv_reports), b"S" stop.
+sent only while a transfer waits for a rank, see photon.distributed.kv_reports), b"H" (at start:
+every rank's KV connector handshake metadata, all-gathered as JSON), b"S" stop.
 Workers exit on stop, or when rank 0's sockets close (its process ended); rank 0 maps a failed
 collective to `TensorParallelError` naming the ranks that exited. Where the workers run (spawned
 processes, or Ray actors) is the launcher's business (photon.distributed.launchers).
@@ -19,6 +20,7 @@ processes, or Ray actors) is the launcher's business (photon.distributed.launche
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import weakref
@@ -35,7 +37,7 @@ from photon.distributed.launchers import ProcessLauncher, WorkerLauncher, create
 from photon.kv_transfer.base import KVConnectorBase, KVConnectorRole, create_connector
 from photon.kv_transfer.metadata import KVTransferReport
 
-_PLAN, _AUDIT, _KV, _STOP = b"P", b"A", b"K", b"S"
+_PLAN, _AUDIT, _KV, _HANDSHAKE, _STOP = b"P", b"A", b"K", b"H", b"S"
 _IDLE_WAIT_S = 365 * 24 * 3600.0  # a worker waits this long for the next plan (an idle engine)
 
 
@@ -94,6 +96,12 @@ class TPWorkers:
         self._send(_KV)
         parts = self._guard(lambda g: g.all_gather_bytes(b""))
         return [self._reports.decode(part) for part in parts[1:]]
+
+    def kv_handshakes(self) -> list[dict[str, Any] | None]:
+        """Each worker's KV connector handshake metadata (rank order; None: it has none)."""
+        self._send(_HANDSHAKE)
+        parts = self._guard(lambda g: g.all_gather_bytes(b"null"))
+        return [json.loads(part) for part in parts[1:]]
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Tell the workers to stop and reap them (those that do not exit are killed)."""
@@ -233,6 +241,10 @@ class _WorkerLoop:
                     report = take_report(self.connector) if self.connector is not None \
                         else KVTransferReport()
                     self.group.all_gather_bytes(self.encoder.encode(report))
+                elif kind == _HANDSHAKE:
+                    c = self.connector
+                    metadata = c.get_handshake_metadata() if c is not None else None
+                    self.group.all_gather_bytes(json.dumps(metadata).encode())
                 else:
                     self._step(self.decoder.decode(data[1:]))
         finally:

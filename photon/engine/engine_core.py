@@ -168,7 +168,11 @@ class EngineCore:
             worker = RankedConnector(worker, self.workers.kv_reports)
         self.runner.attach_kv_connector(worker)
         scheduler = create_connector(kvt, KVConnectorRole.SCHEDULER, self.engine_id, bs, 0, tp)
-        scheduler.set_xfer_handshake_metadata(worker.get_handshake_metadata())
+        handshakes = [worker.get_handshake_metadata()]
+        if self.workers is not None:
+            handshakes += self.workers.kv_handshakes()
+        scheduler.set_xfer_handshake_metadata(
+            {rank: m for rank, m in enumerate(handshakes) if m is not None})
         self.scheduler.remote = RemoteKV(scheduler, self.kv)
         self.scheduler.on_kv_failure = kvt.extra.on_failure
 

@@ -17,8 +17,8 @@ Worker side:
   get_block_ids_with_load_errors.
 With tensor parallelism every rank has a worker side over its own KV shard (tp_rank of
 tp_size); the engine learns a transfer finished once every rank's get_finished reported it.
-Between them, at start: the worker side's get_handshake_metadata goes to the scheduler side's
-set_xfer_handshake_metadata (vLLM's names).
+Between them, at start: every rank's get_handshake_metadata goes to the scheduler side's
+set_xfer_handshake_metadata, keyed by tensor-parallel rank (vLLM's names).
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ class KVConnectorBase:
     def build_connector_meta(self) -> KVConnectorMetadata:
         return KVConnectorMetadata()
 
-    def set_xfer_handshake_metadata(self, metadata: dict[str, Any] | None) -> None:
-        """What the worker side's get_handshake_metadata returned (e.g. the address its
-        transfers listen on), given once at start."""
+    def set_xfer_handshake_metadata(self, metadata: dict[int, dict[str, Any]]) -> None:
+        """What each rank's worker side's get_handshake_metadata returned (e.g. the address
+        its transfers listen on), keyed by tensor-parallel rank (the ranks that returned
+        None left out); given once at start."""
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -59,7 +59,8 @@ class KVConnectorExtraConfig:
     # The name both instances meet under on this machine; tests give each pair its own.
     rendezvous: str = DEFAULT_RENDEZVOUS
     # NcclConnector: the address a prefill instance's rendezvous store listens on (port 0: a
-    # free port, chosen at start); decode instances learn it from kv_transfer_params.
+    # free port, chosen at start; with tensor parallelism rank r's is kv_port + r, or a free
+    # one each); decode instances learn it from kv_transfer_params.
     kv_ip: str = "127.0.0.1"
     kv_port: int = 0
     # The hosts a request's kv_transfer_params.remote_host may name ("*": any); None: the
@@ -166,11 +167,19 @@ class KVTransferConfig:
                              f"kv_transfer_params.tp_size: the prefill instance runs "
                              f"tensor_parallel_size {params.tp_size}, this instance {tp_size}; "
                              f"both must be equal")
-        if params.remote_host is not None \
-                and KV_CONNECTORS.get(self.kv_connector).connects_to_remote_host:
+        if not KV_CONNECTORS.get(self.kv_connector).connects_to_remote_host:
+            return
+        if params.remote_host is not None:  # every rank connects to it
             refusal = self.extra.host_refusal(params.remote_host)
             if refusal is not None:
                 raise ParamError("kv_transfer_params.remote_host", refusal)
+        if tp_size > 1 and len(params.remote_ports) != tp_size:
+            # rank r connects to the rendezvous of the prefill instance's rank r
+            raise ParamError("kv_transfer_params.remote_ports",
+                             f"kv_transfer_params.remote_ports must name the rendezvous port "
+                             f"of each of the prefill instance's {tp_size} ranks (send the "
+                             f"prefill instance's kv_transfer_params unchanged); got "
+                             f"{params.remote_ports!r}")
 
     @property
     def is_producer(self) -> bool:

@@ -18,7 +18,8 @@ class LoadSpec:
     first_block: int
     block_ids: list[int]
     remote_host: str | None = None  # the prefill instance's address (NcclConnector)
-    remote_port: int | None = None
+    remote_port: int | None = None  # rank 0's
+    remote_ports: list[int] = field(default_factory=list)  # rank r's: [r] (may be empty)
 
 
 @dataclass(slots=True)

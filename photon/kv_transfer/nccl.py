@@ -16,6 +16,12 @@ the transfer thread of its prefill instance's pair asks for the blocks the local
 lacks and receives them into its own (photon/kv_transfer/nccl_link.py has the protocol). Every
 wait is bounded by timeout_s; a dead prefill instance fails the load at once. A failed load is
 recomputed or fails the request (on_failure); nothing waits in the engine loop.
+
+Tensor parallelism: every rank r of the prefill instance hosts a rendezvous of its own (kv_port
++ r, or a free port each) and serves its KV shard; kv_transfer_params carry every rank's port
+(remote_ports, gathered at start through the handshake metadata) and rank r of the decode
+instance pairs with rank r only. The engine learns a transfer finished once every rank did
+(RankedConnector); a load failed on any rank recomputes or fails the whole request.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from photon.config import ConfigError
+from photon.kv_transfer.config import FLAG
 from photon.kv_transfer.nccl_link import Ask, ConsumerLink, Offer, ProducerEndpoint
 from photon.kv_transfer.params import KVTransferParams
 from photon.kv_transfer.planner import PlannedConnector
@@ -45,7 +53,9 @@ class NcclConnector(PlannedConnector):
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, engine_id: str,
                  block_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__(config, role, engine_id, block_size, tp_rank, tp_size)
-        self._address: tuple[str, int] | None = None  # scheduler side: the producer's
+        # scheduler side: the producer's host and each rank's rendezvous port
+        self._host: str | None = None
+        self._ports: list[int] = []
         # worker side
         self._caches: list[torch.Tensor] = []
         self._endpoint: ProducerEndpoint | None = None
@@ -53,24 +63,32 @@ class NcclConnector(PlannedConnector):
         self._stop = threading.Event()
 
     # ---- scheduler side -----------------------------------------------------------------------
-    def set_xfer_handshake_metadata(self, metadata: dict[str, Any] | None) -> None:
-        if metadata is not None:
-            self._address = (metadata["host"], metadata["port"])
+    def set_xfer_handshake_metadata(self, metadata: dict[int, dict[str, Any]]) -> None:
+        ranks = [metadata.get(rank) for rank in range(self.tp_size)]
+        if not all(ranks):
+            return  # not a producer
+        hosts = {m["host"] for m in ranks}
+        if len(hosts) > 1:  # kv_transfer_params name one host for every rank
+            raise ConfigError(f"{FLAG}: the NcclConnector needs every tensor-parallel rank of "
+                              f"a prefill instance on one host; its ranks advertise "
+                              f"{sorted(hosts)}")
+        self._host, self._ports = hosts.pop(), [m["port"] for m in ranks]
 
     def remote_params(self, transfer_id: str, block_ids: list[int]) -> KVTransferParams:
-        host, port = self._address or (None, None)
         return KVTransferParams(do_remote_prefill=True, remote_engine_id=self.engine_id,
-                                remote_block_ids=list(block_ids), remote_host=host,
-                                remote_port=port, remote_request_id=transfer_id,
-                                tp_size=self.tp_size)
+                                remote_block_ids=list(block_ids), remote_host=self._host,
+                                remote_port=self._ports[0] if self._ports else None,
+                                remote_request_id=transfer_id, tp_size=self.tp_size,
+                                remote_ports=list(self._ports))
 
     # ---- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self._caches = kv_caches
         if self.config.is_producer:
+            port = self.extra.kv_port + self.tp_rank if self.extra.kv_port else 0
             self._endpoint = ProducerEndpoint(
-                self.extra.kv_ip, self.extra.kv_port, kv_caches, self.extra.timeout_s,
-                self._on_sent, self._progress, serve=self.extra.inject_fault != "delay")
+                self.extra.kv_ip, port, kv_caches, self.extra.timeout_s, self._on_sent,
+                self._progress, serve=self.extra.inject_fault != "delay", rank=self.tp_rank)
 
     def get_handshake_metadata(self) -> dict[str, Any] | None:
         if self._endpoint is None:
@@ -91,9 +109,9 @@ class NcclConnector(PlannedConnector):
         return pool.submit(self._load, link, spec, deadline)
 
     def _link(self, spec: LoadSpec) -> tuple[ConsumerLink, ThreadPoolExecutor]:
-        """The pair with the spec's prefill instance and its transfer thread (one per
-        instance: a pair carries one transfer at a time)."""
-        address = (spec.remote_host or "", spec.remote_port or 0)
+        """The pair with the spec's prefill instance's rank (this rank's) and its transfer
+        thread (one per instance: a pair carries one transfer at a time)."""
+        address = (spec.remote_host or "", self._remote_port(spec) or 0)
         if address not in self._links:
             link = ConsumerLink(*address, self._caches, self._stop)
             self._links[address] = (link, ThreadPoolExecutor(
@@ -102,12 +120,13 @@ class NcclConnector(PlannedConnector):
 
     def _load(self, link: ConsumerLink, spec: LoadSpec, deadline: float) -> int:
         try:
-            if not spec.remote_host or not spec.remote_port:
-                raise ValueError("kv_transfer_params name no remote_host and remote_port of "
-                                 "the prefill instance")
+            if not spec.remote_host or not self._remote_port(spec):
+                raise ValueError(f"kv_transfer_params name no remote_host and remote_port of "
+                                 f"the prefill instance's rank {self.tp_rank}")
             t0 = time.monotonic()
-            nbytes = link.load(Ask(spec.remote_request_id, spec.first_block,
-                                   len(spec.block_ids)), spec.block_ids, deadline,
+            ask = Ask(spec.remote_request_id, spec.first_block, len(spec.block_ids),
+                      self.tp_rank)
+            nbytes = link.load(ask, spec.block_ids, deadline,
                                lambda: spec.key in self._cancelled)
             if spec.block_ids:
                 self.count(bytes_received=nbytes, receive_seconds=time.monotonic() - t0,
@@ -115,6 +134,12 @@ class NcclConnector(PlannedConnector):
             return nbytes
         finally:
             self._progress.set()
+
+    def _remote_port(self, spec: LoadSpec) -> int | None:
+        """This rank's rendezvous on the prefill instance (rank 0's: remote_port)."""
+        if self.tp_rank < len(spec.remote_ports):
+            return spec.remote_ports[self.tp_rank]
+        return spec.remote_port if self.tp_rank == 0 else None
 
     def wait_for_save(self) -> None:
         """Offer the step's saves (no copy: the pair threads read the held blocks)."""

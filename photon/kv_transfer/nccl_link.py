@@ -5,11 +5,15 @@ Rendezvous: the producer hosts a TCPStore on kv_ip:kv_port. A consumer connects,
 number n (`peers` counter) and both build the two-rank group of pair n (producer rank 0,
 consumer rank 1; NCCL for CUDA caches, gloo otherwise) under the store prefix `pair/n/`.
 Control messages go through the store, the KV through the group:
-  consumer  `pair/n/ask/<seq>`    {"transfer", "first", "count"} (count 0: release it), or
+  consumer  `pair/n/ask/<seq>`    {"transfer", "first", "count", "rank"} (count 0: release
+                                  it; rank: the consumer's tensor-parallel rank), or
                                   {"close": true} (the consumer drops the pair)
   producer  `pair/n/answer/<seq>` "ok", or why not
   then, for count > 0, KVSender -> KVReceiver (photon/kv_transfer/p2p.py): a checked header and
   the blocks [first, first + count) of the transfer's blocks, layer by layer.
+With tensor parallelism every rank of the prefill instance hosts a rendezvous of its own and
+rank r of a decode instance pairs with rank r only (its shard): an ask of another rank is
+refused before the transfer is touched.
 One pair carries one transfer at a time, in ask order (a thread on each side). Every wait is
 bounded by the transfer's deadline and ends early when the engine stops; after a failed
 transfer both sides discard the pair (its group's state is unknown).
@@ -48,10 +52,11 @@ class Ask:
     transfer_id: str
     first: int
     count: int
+    rank: int = 0  # the consumer's tensor-parallel rank (the shard it stores)
 
     def to_json(self) -> str:
         return json.dumps({"transfer": self.transfer_id, "first": self.first,
-                           "count": self.count})
+                           "count": self.count, "rank": self.rank})
 
 
 def _poll(ready: Callable[[], bool], deadline: float, stopped: Callable[[], bool],
@@ -74,7 +79,8 @@ class ProducerEndpoint:
 
     def __init__(self, host: str, port: int, caches: list[torch.Tensor], timeout_s: float,
                  on_sent: Callable[[int, float], None], progress: threading.Event,
-                 serve: bool = True) -> None:
+                 serve: bool = True, rank: int = 0) -> None:
+        self.rank = rank  # this rank's shard: it serves the asks of the consumers' rank only
         self.store = dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
         self.caches, self.timeout_s, self.on_sent = caches, timeout_s, on_sent
@@ -150,7 +156,7 @@ class ProducerEndpoint:
                       "waiting for an ask")
                 ask = json.loads(ctl.get(key))
                 if ask.get("close") or not self._answer(ctl, seq, sender, Ask(
-                        ask["transfer"], ask["first"], ask["count"])):
+                        ask["transfer"], ask["first"], ask["count"], ask.get("rank", 0))):
                     return
                 seq += 1
         except (InterruptedError, RuntimeError, ValueError, KeyError, TypeError):
@@ -175,6 +181,10 @@ class ProducerEndpoint:
     def _answer(self, ctl: dist.Store, seq: int, sender: KVSender, ask: Ask) -> bool:
         """Serve one ask; False if the pair must be discarded."""
         if not self.serve:
+            return True
+        if ask.rank != self.rank:  # another shard's ask: its transfer stays offered
+            ctl.set(f"answer/{seq}", f"the prefill instance's rank {self.rank} holds the KV "
+                                     f"shard of rank {self.rank}, not of rank {ask.rank}")
             return True
         offer = self._claim(ask.transfer_id)
         if offer is None:

@@ -3,7 +3,9 @@
 To a prefill instance a client sends `{"do_remote_decode": true}`: the request's KV cache is kept
 for a decode instance, and its `RequestOutput.kv_transfer_params` says where to find it
 (`do_remote_prefill: true`, `remote_engine_id`, `remote_request_id`, `remote_block_ids`,
-`remote_host`, `remote_port`, `tp_size`: the prefill instance's tensor-parallel size). Sent on to a decode instance as they are, those load the KV cache
+`remote_host`, `remote_port`, `tp_size`: the prefill instance's tensor-parallel size, and for the
+NcclConnector `remote_ports`: the rendezvous port of each of its ranks, `remote_port` being rank
+0's). Sent on to a decode instance as they are, those load the KV cache
 instead of computing the prompt. Values come from clients: every one is checked, and the ids that
 name a transfer may hold only letters, digits, '-' and '_'.
 """
@@ -20,7 +22,7 @@ from photon.errors import ParamError
 FIELD = "kv_transfer_params"
 _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _KEYS = ("do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_block_ids",
-         "remote_host", "remote_port", "remote_request_id", "tp_size")
+         "remote_host", "remote_port", "remote_request_id", "tp_size", "remote_ports")
 
 
 def _error(key: str, message: str) -> ParamError:
@@ -37,6 +39,7 @@ class KVTransferParams:
     remote_port: int | None = None
     remote_request_id: str | None = None
     tp_size: int | None = None  # the prefill instance's tensor-parallel size
+    remote_ports: list[int] = field(default_factory=list)  # rank r's rendezvous: [r] (Nccl)
 
     @classmethod
     def from_dict(cls, values: object) -> KVTransferParams:
@@ -53,7 +56,8 @@ class KVTransferParams:
         params = cls(v.get("do_remote_decode", False), v.get("do_remote_prefill", False),
                      _opt_id(v, "remote_engine_id"), _block_ids(v.get("remote_block_ids")),
                      _opt_str(v, "remote_host"), _opt_port(v.get("remote_port")),
-                     _opt_id(v, "remote_request_id"), _opt_tp_size(v.get("tp_size")))
+                     _opt_id(v, "remote_request_id"), _opt_tp_size(v.get("tp_size")),
+                     _ports(v.get("remote_ports")))
         if params.do_remote_decode and params.do_remote_prefill:
             raise _error("do_remote_prefill", "and do_remote_decode cannot both be true")
         if params.do_remote_prefill:
@@ -69,7 +73,8 @@ class KVTransferParams:
                 "remote_engine_id": self.remote_engine_id,
                 "remote_block_ids": list(self.remote_block_ids),
                 "remote_host": self.remote_host, "remote_port": self.remote_port,
-                "remote_request_id": self.remote_request_id, "tp_size": self.tp_size}
+                "remote_request_id": self.remote_request_id, "tp_size": self.tp_size,
+                "remote_ports": list(self.remote_ports)}
 
 
 def parse_kv_transfer_params(values: object) -> KVTransferParams | None:
@@ -90,11 +95,23 @@ def _opt_str(v: Mapping[str, Any], key: str) -> str | None:
     return value
 
 
+def _is_port(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 65535
+
+
 def _opt_port(value: object) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or not 0 <= value <= 65535):
+    if value is not None and not _is_port(value):
         raise _error("remote_port", f"must be an integer from 0 to 65535, got {value!r}")
     return value
+
+
+def _ports(value: object) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > 1024 or not all(map(_is_port, value)):
+        raise _error("remote_ports", f"must be a list of port numbers (integers from 0 to "
+                                     f"65535), one per tensor-parallel rank, got {value!r}")
+    return list(value)
 
 
 def _opt_tp_size(value: object) -> int | None:

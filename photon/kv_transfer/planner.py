@@ -67,7 +67,8 @@ class PlannedConnector(KVConnectorBase):
         params = request.kv_transfer_params
         self._loads_planned.append(LoadSpec(request.key, params.remote_engine_id,
                                             params.remote_request_id, first, block_ids,
-                                            params.remote_host, params.remote_port))
+                                            params.remote_host, params.remote_port,
+                                            list(params.remote_ports)))
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:
