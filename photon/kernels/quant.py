@@ -34,11 +34,12 @@ def _per_token_quant(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, QMAX: tl.conste
                      MIN_SCALE: tl.constexpr, IS_INT: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
-    scale = tl.maximum(_row_amax(x_row, K, BLOCK_K) / QMAX, MIN_SCALE)
+    # IEEE divisions (Triton's `/` may be approximate on CUDA): the reference's bits
+    scale = tl.maximum(tl.math.div_rn(_row_amax(x_row, K, BLOCK_K), QMAX), MIN_SCALE)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32) / scale
+        x = tl.math.div_rn(tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32), scale)
         if IS_INT:  # round half to even, as torch.round (libdevice's rint is CUDA-only)
             r = tl.floor(x + 0.5)
             x = tl.where(((r - x) == 0.5) & ((r % 2) != 0), r - 1.0, r)
