@@ -55,3 +55,21 @@ def test_meta_cuts_each_adapted_slot_into_blocks() -> None:
     want_slots = [1, 3, 3] + [4] * (num_blocks(token_slots.shape[0], 4) - 3)
     assert meta.block_slot.tolist() == want_slots
     assert meta.block_pos.tolist()[:3] == [5, 7, 7 + BLOCK_M]
+
+
+def test_kv_sizing_leaves_room_for_every_layers_shrink_output() -> None:
+    """The GPU's KV budget keeps back the largest float32 shrink output of a full token budget
+    (photon.worker.kv_sizing.lora_headroom), whichever adapted linear it is."""
+    from photon import LLM
+    from photon.kernels.lora import SPLIT_K
+    from photon.worker.kv_sizing import lora_headroom
+
+    llm = LLM("photon-tiny", device="cpu", enable_lora=True, max_lora_rank=32,
+              max_num_batched_tokens=512)
+    try:
+        tokens = llm.config.scheduler.max_num_batched_tokens
+        layers = llm.engine.runner.lora.model.layers.values()
+        need = max(-(-lin.a.shape[2] // SPLIT_K) * lin.a.shape[1] * tokens * 4 for lin in layers)
+        assert 0 < need <= lora_headroom(llm.config)
+    finally:
+        llm.engine.shutdown()

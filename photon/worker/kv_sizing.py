@@ -32,6 +32,20 @@ def usable_blocks(config: EngineConfig, device: torch.device, block_bytes: int
     return max(0, min(budget // block_bytes - 1, useful)), remedy
 
 
+def lora_headroom(config: EngineConfig) -> int:
+    """Bytes of the largest LoRA shrink output of a full token budget (float32 partial sums,
+    one per K chunk: photon.kernels.lora), 0 without LoRA."""
+    if config.lora_config is None:
+        return 0
+    from photon.kernels.lora import SPLIT_K
+
+    hf, rank = config.model.hf_config, config.lora_config.max_lora_rank
+    hidden = int(hf["hidden_size"])
+    inter = int(hf.get("intermediate_size") or hidden)
+    width = max(math.ceil(hidden / SPLIT_K) * 3 * rank, math.ceil(inter / SPLIT_K) * rank)
+    return width * config.scheduler.max_num_batched_tokens * 4
+
+
 def cuda_kv_budget(config: EngineConfig, device: torch.device) -> int:
     """Bytes for the KV cache on a GPU: the --gpu-memory-utilization share of its memory, less
     what other processes and this one use and an activation headroom."""
@@ -42,6 +56,7 @@ def cuda_kv_budget(config: EngineConfig, device: torch.device) -> int:
     sched, mc = config.scheduler, config.model
     act = 6 * sched.max_num_seqs * mc.vocab_size * 4
     act += 24 * sched.max_num_batched_tokens * int(mc.hf_config["hidden_size"]) * 4
+    act += lora_headroom(config)
     budget = int(total * config.cache.gpu_memory_utilization) - used_by_others
     budget -= torch.cuda.memory_allocated(device) + act + (1 << 30)
     return max(budget, 0)
