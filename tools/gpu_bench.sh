@@ -27,6 +27,9 @@
 #   lora        the offline workload with 0, 1, 8 and 32 synthetic LoRA adapters (--max-loras =
 #               adapters) and a slot-churn run (500 adapters on qwen3-0.6b, 64 on llama-3.1-8b,
 #               drawn Zipf-distributed, --max-loras 16): lora_SHAPE_N.json (not in the default set)
+#   moe         the MoE shape qwen3-30b-a3b (fused MoE Triton kernel) on one GPU, offline
+#               workload, against its roofline: throughput_qwen3-30b-a3b.json (not in the default
+#               set)
 # Two-GPU steps (skipped, with a message, when fewer than 2 GPUs are visible; not in the default
 # set):
 #   parallel    offline throughput at -tp 1 and -tp 2 on qwen3-0.6b and llama-3.1-8b:
@@ -208,6 +211,11 @@ step_lora() {  # N adapters in N slots, then adapters taking turns in 16 slots
   done
 }
 
+step_moe() {
+  run "${photon[@]}" bench throughput --model-shape qwen3-30b-a3b \
+    --output-json "$out/throughput_qwen3-30b-a3b.json"
+}
+
 # ---- two GPUs -------------------------------------------------------------------------------
 
 num_gpus=""
@@ -339,7 +347,7 @@ pd_sweep() {  # pd_sweep PORT LABEL: the prefill-heavy mix through the front end
     --random-output-len 32 --num-prompts 256 --warmup-requests 16 --sweep-concurrency 4 16 64
 }
 
-STEPS=(env tests throughput bubble structured profile serve quant lora parallel router pd)
+STEPS=(env tests throughput bubble structured profile serve quant lora moe parallel router pd)
 for step in "${steps[@]}"; do
   case " ${STEPS[*]} " in
     *" $step "*) ;;
