@@ -105,6 +105,23 @@ def test_both_cores_finishing_apart_match_one_core(pair: tuple[AsyncEngine, Asyn
     assert set(assigned.values()) == {0, 1}, assigned
 
 
+def test_blocking_lockstep_cores_match_one_core(pair: tuple[AsyncEngine, AsyncLLM],
+                                                model_path: str) -> None:
+    """The blocking loop (--no-pipelined) in lockstep: cores finishing apart, one of them on
+    dummy steps, give the pipelined reference core's tokens."""
+    lengths = [4, 12, 7]
+    cases = [Case(f"b{i}", [9 + i, 200 + i, 3][:1 + i], _greedy(n))
+             for i, n in enumerate(lengths)]
+    cases.append(Case("bs", [21, 22], SamplingParams(temperature=0.8, seed=3, max_tokens=8,
+                                                     ignore_eos=True)))
+    blocking = AsyncLLM(_config(model_path, 2, pipelined=False))
+    try:
+        blocking.start()
+        assert len(_check_same((pair[0], blocking), cases)) == len(cases)
+    finally:
+        blocking.shutdown()
+
+
 def test_one_core_without_requests(pair: tuple[AsyncEngine, AsyncLLM],
                                    assigned: dict[str, int]) -> None:
     """One request: core 0 runs it, core 1 has none and runs only dummy steps; then both idle
