@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 
@@ -22,6 +23,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    _share_cores_between_workers(torch)
+
+
+def _share_cores_between_workers(torch: ModuleType) -> None:
+    """Under pytest-xdist (`-n N`) each worker takes its share of the cores for torch's
+    intra-op threads, and so do the processes its tests start (engine cores, API servers,
+    grammar workers: OMP_NUM_THREADS is inherited). With every process on all the cores, the
+    OpenMP threads of one spin at their barriers while another process holds a core: a server
+    test then runs several times slower."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = int(os.environ.setdefault(
+            "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers))))
+        torch.set_num_threads(threads)
 
 
 _SIGINT_AT_START = signal.getsignal(signal.SIGINT)  # SIG_IGN when the suite runs in the background
