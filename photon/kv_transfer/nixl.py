@@ -122,7 +122,9 @@ class NixlConnector(AddressedConnector):
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         name = f"photon-{self.engine_id}-rank{self.tp_rank}"
         api = self._api
-        self._agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        # no progress thread (it spins a core): the engine loop's polls make the progress
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        self._agent = api.nixl_agent(name, config)
         self._agent.register_memory(kv_caches)
         self._layout = hs.KVLayout.of(kv_caches, self.engine_id, name, self.tp_rank)
         if self.config.is_producer:
@@ -149,6 +151,7 @@ class NixlConnector(AddressedConnector):
 
     def _advance(self) -> None:
         """Post the READs whose handshake is done, poll those in flight, end the late ones."""
+        done = [a for a, f in self._handshakes.items() if f.done()]  # seen by every read below
         for read in list(self._reads):
             try:
                 if read.handle is None:
@@ -160,7 +163,7 @@ class NixlConnector(AddressedConnector):
                                             "in time")
             except Exception as e:  # noqa: BLE001 - the load fails, the engine goes on
                 self._finish(read, error=e)
-        for address in [a for a, f in self._handshakes.items() if f.done()]:
+        for address in done:
             del self._handshakes[address]  # taken (or failed) by every read waiting on it
 
     def _overdue(self, read: _Read) -> bool:
@@ -214,8 +217,15 @@ class NixlConnector(AddressedConnector):
             "READ", local_descs, remote_descs, remote.agent_name,
             notification(spec.remote_request_id, nbytes))
         read.handle = handle
-        if self._agent.transfer(handle) == "ERR":
-            raise KVTransferError("NIXL refused to start the READ")
+        try:
+            state = self._agent.transfer(handle)  # raises when the prefill agent is gone
+        except Exception:
+            state = "ERR"
+        if state == "ERR":
+            self._release(read)
+            self._forget(read.address)  # dead or restarted: the next load handshakes anew
+            raise KVTransferError("NIXL could not start the READ of the prefill instance's "
+                                  "KV cache (the prefill instance may be gone)")
 
     def _descriptors(self, spec: LoadSpec, remote: hs.KVLayout) -> tuple[Any, Any, int]:
         """The READ's local and remote descriptor lists (in the same order) and its bytes."""
@@ -250,9 +260,10 @@ class NixlConnector(AddressedConnector):
             self._release(read)
             self._forget(read.address)  # its state is unknown: the next load handshakes anew
             raise KVTransferError("the NIXL READ of the prefill instance's KV cache failed")
-        elif self._overdue(read) and self._release(read):  # stopped while in flight
-            raise KVTransferTimeout("the KV cache did not arrive in time (or the load was "
-                                    "stopped)")
+        elif self._overdue(read) and self._release(read):  # aborted in flight
+            if read.spec.key not in self._cancelled:
+                self._forget(read.address)  # dead or stuck: the next load handshakes anew
+            raise KVTransferTimeout("the KV cache did not arrive in time")
 
     def _release(self, read: _Read) -> bool:
         """Release (an in-flight one: abort) the READ; False if NIXL cannot yet: its blocks
@@ -275,6 +286,10 @@ class NixlConnector(AddressedConnector):
         self._progress.set()
 
     def _forget(self, address: Address) -> None:
+        """Drop the prefill rank's agent, unless another READ from it is still in flight (the
+        last of them drops it)."""
+        if any(r.handle is not None and r.address == address for r in self._reads):
+            return
         layout = self._remotes.pop(address, None)
         if layout is not None:
             try:
