@@ -380,8 +380,11 @@ def _kv_events_config(value: object) -> KVEventsConfig | None:
     return parse_kv_events_config(value)
 def _kv_transfer_config(value: object, tensor_parallel_size: int) -> KVTransferConfig | None:
     from photon.kv_transfer.config import FLAG, parse_kv_transfer_config
+    from photon.kv_transfer.registry import KV_CONNECTORS
 
     config = parse_kv_transfer_config(value)
+    if config is not None:
+        KV_CONNECTORS.get(config.kv_connector).check_config(config, tensor_parallel_size)
     port = 0 if config is None else config.extra.kv_port
     if port and port + tensor_parallel_size - 1 > 65535:  # rank r listens on kv_port + r
         raise ConfigError(f"{FLAG}: kv_connector_extra_config.kv_port {port} leaves no port "

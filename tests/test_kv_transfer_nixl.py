@@ -17,8 +17,6 @@ import pytest
 from photon import LLM, SamplingParams
 from photon.config import ConfigError
 from photon.errors import ParamError
-from photon.kv_transfer.base import KVConnectorRole
-from photon.kv_transfer.config import parse_kv_transfer_config
 from tests.test_kv_transfer import ENGINE, MODEL, PREFILL, _drain_producer, _ids, _prompts
 
 pytestmark = pytest.mark.timeout(120)
@@ -148,11 +146,9 @@ def test_params_and_config_errors(pair: tuple[LLM, LLM], monkeypatch: pytest.Mon
               "remote_block_ids": [0], "remote_host": "10.9.8.7", "remote_port": 5000}
     with pytest.raises(ParamError, match="allowed_remote_hosts"):
         decode.generate([[4, 5, 6, 7, 8]], PREFILL, use_tqdm=False, kv_transfer_params=params)
-    from photon.kv_transfer.nixl import NixlConnector
-
-    config = parse_kv_transfer_config(_config("kv_consumer"))
+    # refused at start, before any process or agent
     with pytest.raises(ConfigError, match="tensor_parallel_size 1 only"):
-        NixlConnector(config, KVConnectorRole.WORKER, "e1", 4, 0, 2)
+        LLM(MODEL, tensor_parallel_size=2, kv_transfer_config=_config("kv_consumer"), **ENGINE)
     monkeypatch.setitem(sys.modules, "nixl", None)  # as if not installed
     with pytest.raises(ConfigError, match="pip install nixl"):
-        NixlConnector(config, KVConnectorRole.WORKER, "e1", 4)
+        _llm("kv_producer")

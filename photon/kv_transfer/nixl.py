@@ -98,12 +98,8 @@ class NixlConnector(AddressedConnector):
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, engine_id: str,
                  block_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
-        self._api = _nixl()  # a missing package fails at start, naming the install
-        if tp_size > 1:
-            raise ConfigError(f"{FLAG}: kv_connector NixlConnector runs with "
-                              f"tensor_parallel_size 1 only (got {tp_size}); use the "
-                              f"NcclConnector or the SharedMemoryConnector with tensor "
-                              f"parallelism")
+        self.check_config(config, tp_size)
+        self._api = _nixl()
         super().__init__(config, role, engine_id, block_size, tp_rank, tp_size)
         self._agent: Any = None
         self._layout: hs.KVLayout | None = None
@@ -117,6 +113,16 @@ class NixlConnector(AddressedConnector):
         self._offers: dict[str, _Offer] = {}
         self._early: dict[str, tuple[int, float]] = {}
         self._sent: set[int] = set()
+
+    @classmethod
+    def check_config(cls, config: KVTransferConfig, tensor_parallel_size: int) -> None:
+        """The nixl package is installed (the error names the install); one rank only."""
+        _nixl()
+        if tensor_parallel_size > 1:
+            raise ConfigError(f"{FLAG}: kv_connector NixlConnector runs with "
+                              f"tensor_parallel_size 1 only (got {tensor_parallel_size}); use "
+                              f"the NcclConnector or the SharedMemoryConnector with tensor "
+                              f"parallelism")
 
     # ---- worker side: start ---------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
