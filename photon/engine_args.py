@@ -205,10 +205,9 @@ class EngineArgs:
             "(default: localhost, 127.0.0.1, ::1 and kv_ip; \"*\": any); with "
             "--tensor-parallel-size N rank r listens on kv_port + r. kv_connector "
             "NixlConnector (pip install nixl; the decode instance reads the prefill "
-            "instance's blocks with NIXL): the same kv_ip, kv_port and allowed_remote_hosts, "
-            "tensor-parallel size 1 only. With --tensor-parallel-size N "
-            "(SharedMemoryConnector, NcclConnector): N equal on both instances, every rank "
-            "moves its own KV shard. "
+            "instance's blocks with NIXL): the same kv_ip, kv_port and "
+            "allowed_remote_hosts. With --tensor-parallel-size N (any connector): N equal on "
+            "both instances, every rank moves its own KV shard. "
             "Default: off."))
 
     enable_lora: bool = field(default=False, metadata=_help(

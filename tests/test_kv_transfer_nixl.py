@@ -1,15 +1,12 @@
 """Prefill/decode disaggregation with the NixlConnector (CPU, float32, NIXL over UCX): a
-producer LLM and a consumer LLM in the test's process against one instance. A NIXL READ
-completes only while both agents are polled, so a thread steps the producer's engine while
-the consumer generates (the test's thread never touches the producer meanwhile)."""
+producer LLM and a consumer LLM in the test's process against one instance (each connector's
+transfer thread polls its NIXL agent; the producer's engine steps only to free the blocks)."""
 
 from __future__ import annotations
 
 import socket
 import sys
-import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -42,30 +39,6 @@ def pair() -> Iterator[tuple[LLM, LLM]]:
         llm.engine.shutdown()
 
 
-@contextmanager
-def serving(prefill: LLM) -> Iterator[None]:
-    """Step the producer's engine on a thread while it holds transfers (as its own loop
-    would), until the block ends; then its drain audit."""
-    stop = threading.Event()
-
-    def run() -> None:
-        while not stop.is_set():
-            if prefill.engine.has_pending_transfers():
-                prefill.engine.step()  # waits briefly for a notification when idle
-            else:
-                stop.wait(0.002)
-
-    thread = threading.Thread(target=run, name="test-prefill-loop", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(30)
-        assert not thread.is_alive()
-    _drain_producer(prefill)
-
-
 def _prefill(llm: LLM, prompts: list[list[int]]) -> list[dict[str, Any]]:
     outs = llm.generate(prompts, PREFILL, use_tqdm=False,
                         kv_transfer_params={"do_remote_decode": True})
@@ -84,18 +57,17 @@ def test_greedy_equals_one_instance(pair: tuple[LLM, LLM]) -> None:
     want = _ids(_llm(None).generate(prompts, GREEDY, use_tqdm=False))
     params = _prefill(prefill, prompts)
     assert all(p["remote_port"] and p["remote_block_ids"] for p in params)
-    with serving(prefill):
-        got = _ids(decode.generate(prompts, GREEDY, use_tqdm=False, kv_transfer_params=params))
+    got = _ids(decode.generate(prompts, GREEDY, use_tqdm=False, kv_transfer_params=params))
     stats = decode.engine.stats().kv_transfer
     assert (stats.num_received, stats.num_load_failures) == (len(prompts), 0)
     # again: the decode side's prefix cache holds most blocks; a transfer with nothing left
     # to load is released unread (a notification alone)
     params = _prefill(prefill, prompts)
-    with serving(prefill):
-        again = _ids(decode.generate(prompts, GREEDY, use_tqdm=False,
-                                     kv_transfer_params=params))
+    again = _ids(decode.generate(prompts, GREEDY, use_tqdm=False,
+                                 kv_transfer_params=params))
     assert got == want and again == want
     decode.engine.assert_drained()
+    _drain_producer(prefill)  # every notification came: the blocks are free
     received, sent = decode.engine.stats().kv_transfer, prefill.engine.stats().kv_transfer
     assert received.num_load_failures == 0
     assert (sent.num_sent, sent.bytes_sent) == (received.num_received, received.bytes_received)
@@ -113,14 +85,14 @@ def test_failed_loads_recompute(pair: tuple[LLM, LLM]) -> None:
     port = _free_port()
     gone = {**real, "remote_request_id": "gone", "remote_port": port, "remote_ports": [port]}
     before = decode.engine.stats().kv_transfer.num_load_failures
-    with serving(prefill):
-        outs = [decode.generate([p], GREEDY, use_tqdm=False, kv_transfer_params=params)[0]
-                for p, params in zip(prompts, (bad_block, gone))]
-        # the transfer the failed loads borrowed their address from loads as usual
-        outs += decode.generate(prompts[:1], GREEDY, use_tqdm=False, kv_transfer_params=real)
+    outs = [decode.generate([p], GREEDY, use_tqdm=False, kv_transfer_params=params)[0]
+            for p, params in zip(prompts, (bad_block, gone))]
+    # the transfer the failed loads borrowed their address from loads as usual
+    outs += decode.generate(prompts[:1], GREEDY, use_tqdm=False, kv_transfer_params=real)
     assert _ids(outs) == [*want, want[0]]
     assert decode.engine.stats().kv_transfer.num_load_failures == before + 2
     decode.engine.assert_drained()
+    _drain_producer(prefill)
 
 
 def test_on_failure_fail_ends_the_request(pair: tuple[LLM, LLM]) -> None:
@@ -128,14 +100,14 @@ def test_on_failure_fail_ends_the_request(pair: tuple[LLM, LLM]) -> None:
     decode = _llm("kv_consumer", on_failure="fail")
     prompt = list(range(3, 20))
     real = _prefill(prefill, [prompt])[0]
-    with serving(prefill):
-        with pytest.raises(ValueError, match="on_failure is 'fail'"):
-            decode.generate([prompt], PREFILL, use_tqdm=False,
-                            kv_transfer_params={**real, "remote_request_id": "never-offered",
-                                                "remote_block_ids": [10**6] * 5})
-        ok = decode.generate([prompt], PREFILL, use_tqdm=False, kv_transfer_params=real)
+    with pytest.raises(ValueError, match="on_failure is 'fail'"):
+        decode.generate([prompt], PREFILL, use_tqdm=False,
+                        kv_transfer_params={**real, "remote_request_id": "never-offered",
+                                            "remote_block_ids": [10**6] * 5})
+    ok = decode.generate([prompt], PREFILL, use_tqdm=False, kv_transfer_params=real)
     assert len(ok[0].outputs[0].token_ids) == 1  # the engine serves on
     decode.engine.assert_drained()
+    _drain_producer(prefill)
     decode.engine.shutdown()
 
 
@@ -146,9 +118,38 @@ def test_params_and_config_errors(pair: tuple[LLM, LLM], monkeypatch: pytest.Mon
               "remote_block_ids": [0], "remote_host": "10.9.8.7", "remote_port": 5000}
     with pytest.raises(ParamError, match="allowed_remote_hosts"):
         decode.generate([[4, 5, 6, 7, 8]], PREFILL, use_tqdm=False, kv_transfer_params=params)
-    # refused at start, before any process or agent
-    with pytest.raises(ConfigError, match="tensor_parallel_size 1 only"):
-        LLM(MODEL, tensor_parallel_size=2, kv_transfer_config=_config("kv_consumer"), **ENGINE)
     monkeypatch.setitem(sys.modules, "nixl", None)  # as if not installed
     with pytest.raises(ConfigError, match="pip install nixl"):
         _llm("kv_producer")
+
+
+def test_tp2_pair_equals_one_instance() -> None:
+    """Rank r of the decode instance reads from rank r of the prefill instance (its own
+    handshake port in remote_ports); a rank sent to the other rank's port is refused and the
+    whole request recomputes; both drain with every block free, every worker reaped."""
+    pytest.importorskip("nixl")
+    from tests.test_kv_transfer_tp import _shutdown
+
+    prompts = _prompts(4, seed=6)
+    want = _ids(_llm(None).generate(prompts, GREEDY, use_tqdm=False))
+    prefill, decode = (LLM(MODEL, tensor_parallel_size=2, kv_transfer_config=_config(role),
+                           **ENGINE) for role in ("kv_producer", "kv_consumer"))
+    try:
+        params = _prefill(prefill, prompts)
+        assert len(set(params[0]["remote_ports"])) == 2
+        assert _ids(decode.generate(prompts, GREEDY, use_tqdm=False,
+                                    kv_transfer_params=params)) == want
+        stats = decode.engine.stats().kv_transfer
+        assert (stats.num_received, stats.num_load_failures) == (len(prompts), 0)
+        assert decode.engine.runner.kv_connector.local.stats().bytes_received * 2 == \
+            stats.bytes_received > 0
+        params = _prefill(prefill, prompts[:1])[0]
+        crossed = {**params, "remote_ports": params["remote_ports"][::-1]}
+        for p in (crossed, params):  # the second releases the transfer (or reads its tail)
+            assert _ids(decode.generate(prompts[:1], GREEDY, use_tqdm=False,
+                                        kv_transfer_params=p)) == want[:1]
+        assert decode.engine.stats().kv_transfer.num_load_failures == 1
+        decode.engine.assert_drained()
+        _drain_producer(prefill)
+    finally:
+        _shutdown(prefill, decode)
