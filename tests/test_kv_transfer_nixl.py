@@ -111,6 +111,30 @@ def test_on_failure_fail_ends_the_request(pair: tuple[LLM, LLM]) -> None:
     decode.engine.shutdown()
 
 
+def test_abort_while_loading_frees_its_blocks(pair: tuple[LLM, LLM]) -> None:
+    # the "prefill instance" accepts the connection but never answers the handshake, and
+    # the decode side's timeout is long: only the abort ends the load
+    _, decode = pair
+    core = decode.engine
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        port = silent.getsockname()[1]
+        params = {"do_remote_prefill": True, "remote_engine_id": "e1", "tp_size": 1,
+                  "remote_request_id": "r1", "remote_block_ids": list(range(7)),
+                  "remote_host": "127.0.0.1", "remote_port": port, "remote_ports": [port]}
+        rid = core.add_request(list(range(3, 30)), SamplingParams(max_tokens=4),
+                               stream=False, kv_transfer_params=params)
+        core.step()
+        assert len(core.scheduler.remote.loading) == 1 and core.kv.num_used_blocks > 0
+        core.abort(rid)
+        for _ in range(5000):
+            core.step()
+            if not core.has_unfinished() and not core.has_pending_transfers():
+                break
+    core.assert_drained()
+
+
 def test_params_and_config_errors(pair: tuple[LLM, LLM], monkeypatch: pytest.MonkeyPatch
                                   ) -> None:
     _, decode = pair
