@@ -14,7 +14,15 @@ import pytest
 from photon import LLM, SamplingParams
 from photon.config import ConfigError
 from photon.errors import ParamError
-from tests.test_kv_transfer import ENGINE, MODEL, PREFILL, _drain_producer, _ids, _prompts
+from tests.test_kv_transfer import (
+    ENGINE,
+    MODEL,
+    PREFILL,
+    _abort_while_loading,
+    _drain_producer,
+    _ids,
+    _prompts,
+)
 
 pytestmark = pytest.mark.timeout(120)
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -115,7 +123,6 @@ def test_abort_while_loading_frees_its_blocks(pair: tuple[LLM, LLM]) -> None:
     # the "prefill instance" accepts the connection but never answers the handshake, and
     # the decode side's timeout is long: only the abort ends the load
     _, decode = pair
-    core = decode.engine
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(1)
@@ -123,16 +130,7 @@ def test_abort_while_loading_frees_its_blocks(pair: tuple[LLM, LLM]) -> None:
         params = {"do_remote_prefill": True, "remote_engine_id": "e1", "tp_size": 1,
                   "remote_request_id": "r1", "remote_block_ids": list(range(7)),
                   "remote_host": "127.0.0.1", "remote_port": port, "remote_ports": [port]}
-        rid = core.add_request(list(range(3, 30)), SamplingParams(max_tokens=4),
-                               stream=False, kv_transfer_params=params)
-        core.step()
-        assert len(core.scheduler.remote.loading) == 1 and core.kv.num_used_blocks > 0
-        core.abort(rid)
-        for _ in range(5000):
-            core.step()
-            if not core.has_unfinished() and not core.has_pending_transfers():
-                break
-    core.assert_drained()
+        _abort_while_loading(decode, list(range(3, 30)), params)
 
 
 def test_params_and_config_errors(pair: tuple[LLM, LLM], monkeypatch: pytest.MonkeyPatch
