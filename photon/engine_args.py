@@ -203,9 +203,11 @@ class EngineArgs:
             "instance's rendezvous (default 127.0.0.1, port 0: a free one); "
             "allowed_remote_hosts: the prefill hosts a decode instance may connect to "
             "(default: localhost, 127.0.0.1, ::1 and kv_ip; \"*\": any); with "
-            "--tensor-parallel-size N rank r listens on kv_port + r. With "
-            "--tensor-parallel-size N (either connector): N equal on both instances, every "
-            "rank moves its own KV shard. "
+            "--tensor-parallel-size N rank r listens on kv_port + r. kv_connector "
+            "NixlConnector (pip install nixl; the decode instance reads the prefill "
+            "instance's blocks with NIXL): the same kv_ip, kv_port and "
+            "allowed_remote_hosts. With --tensor-parallel-size N (any connector): N equal on "
+            "both instances, every rank moves its own KV shard. "
             "Default: off."))
 
     enable_lora: bool = field(default=False, metadata=_help(
@@ -377,8 +379,11 @@ def _kv_events_config(value: object) -> KVEventsConfig | None:
     return parse_kv_events_config(value)
 def _kv_transfer_config(value: object, tensor_parallel_size: int) -> KVTransferConfig | None:
     from photon.kv_transfer.config import FLAG, parse_kv_transfer_config
+    from photon.kv_transfer.registry import KV_CONNECTORS
 
     config = parse_kv_transfer_config(value)
+    if config is not None:
+        KV_CONNECTORS.get(config.kv_connector).check_config(config, tensor_parallel_size)
     port = 0 if config is None else config.extra.kv_port
     if port and port + tensor_parallel_size - 1 > 65535:  # rank r listens on kv_port + r
         raise ConfigError(f"{FLAG}: kv_connector_extra_config.kv_port {port} leaves no port "

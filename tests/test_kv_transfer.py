@@ -62,6 +62,22 @@ def _drain_producer(llm: LLM) -> None:
     llm.engine.assert_drained()
 
 
+def _abort_while_loading(llm: LLM, prompt: list[int], params: dict) -> None:
+    """Add a request that loads remote KV, abort it once its load started, step until it
+    ended (bounded); every block is free."""
+    core = llm.engine
+    rid = core.add_request(prompt, SamplingParams(max_tokens=4), stream=False,
+                           kv_transfer_params=params)
+    core.step()
+    assert len(core.scheduler.remote.loading) == 1 and core.kv.num_used_blocks > 0
+    core.abort(rid)
+    for _ in range(5000):
+        core.step()
+        if not core.has_unfinished() and not core.has_pending_transfers():
+            break
+    core.assert_drained()
+
+
 def _count_planned_tokens(llm: LLM) -> list[int]:
     """Tokens the engine computes, counted at each plan the runner prepares."""
     counted = [0]
@@ -214,17 +230,7 @@ def test_abort_while_loading_frees_both_sides(rendezvous: str) -> None:
     decode = _llm("kv_consumer", rendezvous, timeout_s=600)
     pre = prefill.generate([list(range(3, 30))], PREFILL, use_tqdm=False,
                            kv_transfer_params={"do_remote_decode": True})
-    core = decode.engine
-    rid = core.add_request(list(range(3, 30)), SamplingParams(max_tokens=4), stream=False,
-                           kv_transfer_params=pre[0].kv_transfer_params)
-    core.step()
-    assert len(core.scheduler.remote.loading) == 1 and core.kv.num_used_blocks > 0
-    core.abort(rid)
-    for _ in range(5000):
-        core.step()
-        if not core.has_unfinished():
-            break
-    core.assert_drained()
+    _abort_while_loading(decode, list(range(3, 30)), pre[0].kv_transfer_params)
     _drain_producer(prefill)
 
 

@@ -16,7 +16,15 @@ import pytest
 from photon import LLM, SamplingParams
 from photon.config import ConfigError
 from photon.kv_transfer.config import parse_kv_transfer_config
-from tests.test_kv_transfer import ENGINE, MODEL, PREFILL, _drain_producer, _ids, _prompts
+from tests.test_kv_transfer import (
+    ENGINE,
+    MODEL,
+    PREFILL,
+    _abort_while_loading,
+    _drain_producer,
+    _ids,
+    _prompts,
+)
 
 WAIT_S = 180  # bound on one answer of the producer process
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -166,18 +174,7 @@ def test_abort_while_loading_frees_both_sides() -> None:
     prefill = _llm("kv_producer", inject_fault="delay", timeout_s=0.3)
     decode = _llm("kv_consumer", timeout_s=600)
     prompt = list(range(3, 30))
-    params = _prefill(prefill, [prompt])[0]
-    core = decode.engine
-    rid = core.add_request(prompt, SamplingParams(max_tokens=4), stream=False,
-                           kv_transfer_params=params)
-    core.step()
-    assert len(core.scheduler.remote.loading) == 1 and core.kv.num_used_blocks > 0
-    core.abort(rid)
-    for _ in range(5000):
-        core.step()
-        if not core.has_unfinished() and not core.has_pending_transfers():
-            break
-    core.assert_drained()
+    _abort_while_loading(decode, prompt, _prefill(prefill, [prompt])[0])
     _drain_producer(prefill)
     assert prefill.engine.stats().kv_transfer.num_expired_leases == 1
     for llm in (prefill, decode):

@@ -57,6 +57,10 @@ class KVConnectorBase:
         self.tp_size = tp_size
         self._metadata: KVConnectorMetadata | None = None
 
+    @classmethod
+    def check_config(cls, config: KVTransferConfig, tensor_parallel_size: int) -> None:
+        """ConfigError if this connector cannot run as configured (checked at start)."""
+
     # ---- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:

@@ -3,8 +3,9 @@
 Keys (vLLM's names): kv_connector (a registered connector, e.g. "SharedMemoryConnector"),
 kv_role ("kv_producer": a prefill instance, "kv_consumer": a decode instance, "kv_both"),
 kv_connector_extra_config (the connector's own options; photon reads timeout_s, on_failure,
-rendezvous, kv_ip / kv_port (the NcclConnector's rendezvous), allowed_remote_hosts (the prefill
-hosts a decode instance's NcclConnector may connect to) and the test-only inject_fault). Every
+rendezvous, kv_ip / kv_port (where a prefill instance's NcclConnector / NixlConnector listens),
+allowed_remote_hosts (the prefill hosts a decode instance's NcclConnector / NixlConnector may
+connect to) and the test-only inject_fault). Every
 mistake is a ConfigError naming the key and what is allowed.
 """
 
@@ -58,9 +59,10 @@ class KVConnectorExtraConfig:
     on_failure: str = "recompute"  # recompute the prefill locally, or fail the request
     # The name both instances meet under on this machine; tests give each pair its own.
     rendezvous: str = DEFAULT_RENDEZVOUS
-    # NcclConnector: the address a prefill instance's rendezvous store listens on (port 0: a
-    # free port, chosen at start; with tensor parallelism rank r's is kv_port + r, or a free
-    # one each); decode instances learn it from kv_transfer_params.
+    # NcclConnector / NixlConnector: the address a prefill instance's rendezvous store (or
+    # handshake) listens on (port 0: a free port, chosen at start; with tensor parallelism
+    # rank r's is kv_port + r, or a free one each); decode instances learn it from
+    # kv_transfer_params.
     kv_ip: str = "127.0.0.1"
     kv_port: int = 0
     # The hosts a request's kv_transfer_params.remote_host may name ("*": any); None: the

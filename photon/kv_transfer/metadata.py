@@ -20,6 +20,8 @@ class LoadSpec:
     remote_host: str | None = None  # the prefill instance's address (NcclConnector)
     remote_port: int | None = None  # rank 0's
     remote_ports: list[int] = field(default_factory=list)  # rank r's: [r] (may be empty)
+    # the prefill instance's blocks that fill block_ids, in order (NixlConnector)
+    remote_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

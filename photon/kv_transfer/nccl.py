@@ -26,7 +26,6 @@ instance pairs with rank r only. The engine learns a transfer finished once ever
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,11 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from photon.config import ConfigError
-from photon.kv_transfer.config import FLAG
+from photon.kv_transfer.addressed import AddressedConnector
 from photon.kv_transfer.nccl_link import Ask, ConsumerLink, Offer, ProducerEndpoint
-from photon.kv_transfer.params import KVTransferParams
-from photon.kv_transfer.planner import PlannedConnector
 
 if TYPE_CHECKING:
     from photon.kv_transfer.base import KVConnectorRole
@@ -46,64 +42,36 @@ if TYPE_CHECKING:
     from photon.kv_transfer.metadata import LoadSpec
 
 
-class NcclConnector(PlannedConnector):
+class NcclConnector(AddressedConnector):
     name = "NcclConnector"
-    connects_to_remote_host = True
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, engine_id: str,
                  block_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__(config, role, engine_id, block_size, tp_rank, tp_size)
-        # scheduler side: the producer's host and each rank's rendezvous port
-        self._host: str | None = None
-        self._ports: list[int] = []
-        # worker side
         self._caches: list[torch.Tensor] = []
         self._endpoint: ProducerEndpoint | None = None
         self._links: dict[tuple[str, int], tuple[ConsumerLink, ThreadPoolExecutor]] = {}
         self._stop = threading.Event()
 
-    # ---- scheduler side -----------------------------------------------------------------------
-    def set_xfer_handshake_metadata(self, metadata: dict[int, dict[str, Any]]) -> None:
-        ranks = [metadata.get(rank) for rank in range(self.tp_size)]
-        if not all(ranks):
-            return  # not a producer
-        hosts = {m["host"] for m in ranks}
-        if len(hosts) > 1:  # kv_transfer_params name one host for every rank
-            raise ConfigError(f"{FLAG}: the NcclConnector needs every tensor-parallel rank of "
-                              f"a prefill instance on one host; its ranks advertise "
-                              f"{sorted(hosts)}")
-        self._host, self._ports = hosts.pop(), [m["port"] for m in ranks]
-
-    def remote_params(self, transfer_id: str, block_ids: list[int]) -> KVTransferParams:
-        return KVTransferParams(do_remote_prefill=True, remote_engine_id=self.engine_id,
-                                remote_block_ids=list(block_ids), remote_host=self._host,
-                                remote_port=self._ports[0] if self._ports else None,
-                                remote_request_id=transfer_id, tp_size=self.tp_size,
-                                remote_ports=list(self._ports))
-
     # ---- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self._caches = kv_caches
         if self.config.is_producer:
-            port = self.extra.kv_port + self.tp_rank if self.extra.kv_port else 0
             self._endpoint = ProducerEndpoint(
-                self.extra.kv_ip, port, kv_caches, self.extra.timeout_s, self._on_sent,
-                self._progress, serve=self.extra.inject_fault != "delay", rank=self.tp_rank)
+                self.extra.kv_ip, self.listen_port(), kv_caches, self.extra.timeout_s,
+                self._on_sent, self._progress, serve=self.extra.inject_fault != "delay", rank=self.tp_rank)
 
     def get_handshake_metadata(self) -> dict[str, Any] | None:
         if self._endpoint is None:
             return None
-        return {"host": _advertised(self.extra.kv_ip), "port": self._endpoint.port}
+        return self.handshake_metadata(self._endpoint.port)
 
     def _on_sent(self, nbytes: int, seconds: float) -> None:
         self.count(bytes_sent=nbytes, send_seconds=seconds, num_sent=1)
 
     def submit_load(self, spec: LoadSpec, deadline: float) -> Future[int]:
-        refused = self.extra.host_refusal(spec.remote_host) if spec.remote_host else None
-        if refused is not None:  # checked again here, before any connection: the load fails
-            failed: Future[int] = Future()
-            failed.set_exception(PermissionError(refused))
-            self._progress.set()
+        failed = self.refused_load(spec)  # checked again here, before any connection
+        if failed is not None:
             return failed
         link, pool = self._link(spec)
         return pool.submit(self._load, link, spec, deadline)
@@ -111,7 +79,7 @@ class NcclConnector(PlannedConnector):
     def _link(self, spec: LoadSpec) -> tuple[ConsumerLink, ThreadPoolExecutor]:
         """The pair with the spec's prefill instance's rank (this rank's) and its transfer
         thread (one per instance: a pair carries one transfer at a time)."""
-        address = (spec.remote_host or "", self._remote_port(spec) or 0)
+        address = (spec.remote_host or "", self.remote_port(spec) or 0)
         if address not in self._links:
             link = ConsumerLink(*address, self._caches, self._stop)
             self._links[address] = (link, ThreadPoolExecutor(
@@ -120,9 +88,8 @@ class NcclConnector(PlannedConnector):
 
     def _load(self, link: ConsumerLink, spec: LoadSpec, deadline: float) -> int:
         try:
-            if not spec.remote_host or not self._remote_port(spec):
-                raise ValueError(f"kv_transfer_params name no remote_host and remote_port of "
-                                 f"the prefill instance's rank {self.tp_rank}")
+            if self.address_error(spec):
+                raise ValueError(self.address_error(spec))
             t0 = time.monotonic()
             ask = Ask(spec.remote_request_id, spec.first_block, len(spec.block_ids),
                       self.tp_rank)
@@ -134,12 +101,6 @@ class NcclConnector(PlannedConnector):
             return nbytes
         finally:
             self._progress.set()
-
-    def _remote_port(self, spec: LoadSpec) -> int | None:
-        """This rank's rendezvous on the prefill instance (rank 0's: remote_port)."""
-        if self.tp_rank < len(spec.remote_ports):
-            return spec.remote_ports[self.tp_rank]
-        return spec.remote_port if self.tp_rank == 0 else None
 
     def wait_for_save(self) -> None:
         """Offer the step's saves (no copy: the pair threads read the held blocks)."""
@@ -179,7 +140,3 @@ class NcclConnector(PlannedConnector):
         if self._endpoint is not None:
             self._endpoint.close()
 
-
-def _advertised(host: str) -> str:
-    """The address decode instances reach: the host's name when listening on every address."""
-    return socket.gethostname() if host in ("0.0.0.0", "::", "") else host

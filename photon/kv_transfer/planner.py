@@ -65,10 +65,11 @@ class PlannedConnector(KVConnectorBase):
 
     def _plan_load(self, request: Request, first: int, block_ids: list[int]) -> None:
         params = request.kv_transfer_params
+        remote = list(params.remote_block_ids[first:first + len(block_ids)])
         self._loads_planned.append(LoadSpec(request.key, params.remote_engine_id,
                                             params.remote_request_id, first, block_ids,
                                             params.remote_host, params.remote_port,
-                                            list(params.remote_ports)))
+                                            list(params.remote_ports), remote))
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:

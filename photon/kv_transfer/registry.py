@@ -8,4 +8,5 @@ from photon.registry import Registry
 KV_CONNECTORS: Registry[type] = Registry("KV connector", lazy={
     "SharedMemoryConnector": "photon.kv_transfer.shared_memory:SharedMemoryConnector",
     "NcclConnector": "photon.kv_transfer.nccl:NcclConnector",
+    "NixlConnector": "photon.kv_transfer.nixl:NixlConnector",
 })
