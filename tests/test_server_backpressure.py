@@ -46,6 +46,18 @@ def test_merge_outputs_values() -> None:
     assert a.outputs[0].text == "he" and a.outputs[0].token_ids == [5]  # inputs left as they were
 
 
+def test_merge_keeps_a_finish_given_earlier() -> None:
+    """A child stopped by a stop string in the front end gets one more, empty output without a
+    finish (the core's tokens before its abort landed); merged, the child keeps its finish."""
+    a = _out("r", [CompletionOutput(0, "ok", [5], None, None, "stop", "\n"),
+                   CompletionOutput(1, "a", [6])])
+    b = _out("r", [CompletionOutput(0, "", []), CompletionOutput(1, "b", [7], None, None,
+                                                                 "length")], finished=True)
+    first, second = merge_outputs(a, b).outputs
+    assert (first.text, first.finish_reason, first.stop_reason) == ("ok", "stop", "\n")
+    assert (second.text, second.finish_reason) == ("ab", "length")
+
+
 def test_sink_merges_what_the_consumer_has_not_taken() -> None:
     """Outputs of one request put while nobody reads come out as one item; other requests'
     items and exceptions keep their order and are never merged into another."""

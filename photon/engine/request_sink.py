@@ -114,8 +114,11 @@ def merge_outputs(first: RequestOutput | BaseException, then: RequestOutput) -> 
 def _merge_child(first: CompletionOutput, then: CompletionOutput) -> CompletionOutput:
     logprobs = None if first.logprobs is None and then.logprobs is None \
         else (first.logprobs or []) + (then.logprobs or [])
+    # A child stopped by a stop string in the front end may get one more (empty) output with
+    # no finish before the core's abort lands: a finish, once given, stays.
+    done = then if then.finish_reason is not None else first
     return CompletionOutput(first.index, first.text + then.text,
                             list(first.token_ids) + list(then.token_ids),
                             first.cumulative_logprob if then.cumulative_logprob is None
-                            else then.cumulative_logprob, logprobs, then.finish_reason,
-                            then.stop_reason)
+                            else then.cumulative_logprob, logprobs, done.finish_reason,
+                            done.stop_reason)
