@@ -5,7 +5,6 @@ that every component reads."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,22 +25,29 @@ from photon.config import (
     check_positive,
     flag,
 )
-from photon.reasoning import get_reasoning_parser, reasoning_parser_names
+from photon.engine_resolve import (
+    DEVICES,
+    DTYPES,
+    attention_backend,
+    default_name,
+    kv_events_config,
+    kv_transfer_config,
+    lora_config,
+    parallel_config,
+    quant_config,
+    reasoning_parser,
+    resolve_device,
+    resolve_dtype,
+    resolve_max_len,
+    resolve_use_triton,
+    speculative_config,
+)
+from photon.reasoning import reasoning_parser_names
 
 if TYPE_CHECKING:
     from photon.kv_events.config import KVEventsConfig
     from photon.kv_transfer.config import KVTransferConfig
-    from photon.lora.config import LoRAConfig
-    from photon.quant.config import QuantConfig
     from photon.spec.config import SpeculativeConfig
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
 
 
 def _help(text: str, choices: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -49,7 +55,6 @@ def _help(text: str, choices: tuple[str, ...] = ()) -> dict[str, Any]:
     return {"help": text, "choices": choices} if choices else {"help": text}
 
 
-_DEVICES = ("auto", "cuda", "cpu")
 _LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -64,7 +69,7 @@ class EngineArgs:
         "speculative-decoding draft, photon-tiny-random has random weights (for tests)."))
     dtype: str = field(default="auto", metadata=_help(
         "Weights/activations dtype. auto = float32 on CPU, the checkpoint's dtype (bfloat16 if "
-        "float32) on CUDA.", ("auto", *_DTYPES)))
+        "float32) on CUDA.", ("auto", *DTYPES)))
     max_model_len: int | None = field(default=None, metadata=_help(
         "Longest prompt + output in tokens. Default: the model's max_position_embeddings."))
     max_num_seqs: int = field(default=256, metadata=_help("Most requests in one step."))
@@ -82,7 +87,7 @@ class EngineArgs:
         "Reuse KV blocks of shared prompt prefixes."))
     seed: int = field(default=0, metadata=_help("Seed for unseeded requests and weights init."))
     device: str = field(default="auto", metadata=_help(
-        "Where the model runs; auto = cuda when available, else cpu.", _DEVICES))
+        "Where the model runs; auto = cuda when available, else cpu.", DEVICES))
     pipelined: bool = field(default=True, metadata=_help(
         "Pipelined decoding (launch t+1 before committing t). --no-pipelined = blocking loop."))
     enforce_eager: bool = field(default=False, metadata=_help("Disable CUDA graphs."))
@@ -244,21 +249,21 @@ class EngineArgs:
         hf_config = load_hf_config(model_dir)
         arch = architecture(hf_config)
         check_required_fields(hf_config, model_dir)
-        device = _resolve_device(self.device)
+        device = resolve_device(self.device)
         use_triton = resolve_use_triton(device)
         model_config = ModelConfig(
             model=model_dir,
             hf_config=hf_config,
             architecture=arch,
-            dtype=_resolve_dtype(self.dtype, hf_config, device),
-            max_model_len=_resolve_max_len(self.max_model_len, hf_config),
+            dtype=resolve_dtype(self.dtype, hf_config, device),
+            max_model_len=resolve_max_len(self.max_model_len, hf_config),
             vocab_size=int(hf_config["vocab_size"]),
             seed=self.seed,
-            served_model_name=self.served_model_name or _default_name(self.model, model_dir),
+            served_model_name=self.served_model_name or default_name(self.model, model_dir),
             load_format=check_choice("load_format", self.load_format, _LOAD_FORMATS),
             generation_defaults=load_generation_defaults(self.generation_config, model_dir),
             use_triton=use_triton,
-            quant_config=_quant_config(self.quantization, hf_config, arch, device, use_triton),
+            quant_config=quant_config(self.quantization, hf_config, arch, device, use_triton),
         )
         check_positive("max_num_seqs", self.max_num_seqs)
         check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -280,15 +285,15 @@ class EngineArgs:
             device=device,
             pipelined=self.pipelined,
             enforce_eager=self.enforce_eager,
-            attention_backend=_attention_backend(self.attention_backend, device),
+            attention_backend=attention_backend(self.attention_backend, device),
             structured_outputs=self.structured_outputs_config(),
-            reasoning_parser=_reasoning_parser(self.reasoning_parser),
-            speculative_config=_speculative_config(self.speculative_config),
-            kv_events_config=_kv_events_config(self.kv_events_config),
-            kv_transfer_config=_kv_transfer_config(self.kv_transfer_config,
+            reasoning_parser=reasoning_parser(self.reasoning_parser),
+            speculative_config=speculative_config(self.speculative_config),
+            kv_events_config=kv_events_config(self.kv_events_config),
+            kv_transfer_config=kv_transfer_config(self.kv_transfer_config,
                                                    self.tensor_parallel_size),
-            lora_config=_lora_config(self),
-            parallel=_parallel_config(ParallelConfig(
+            lora_config=lora_config(self),
+            parallel=parallel_config(ParallelConfig(
                 self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
                 enable_expert_parallel=self.enable_expert_parallel,
                 distributed_executor_backend=self.distributed_executor_backend), arch,
@@ -328,134 +333,3 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
-
-
-def _default_name(model: str | None, model_dir: str) -> str:
-    from photon.model.tiny import BUILTIN_MODELS, PHOTON_TINY
-
-    if model is None or model in BUILTIN_MODELS:
-        return model or PHOTON_TINY
-    # A local directory is named by its folder, a hub id by itself (its snapshot folder is a hash).
-    return os.path.basename(model_dir.rstrip("/")) if os.path.isdir(model) else model
-
-
-
-
-def _reasoning_parser(name: str | None) -> str | None:
-    if name is None:
-        return None
-    try:
-        return get_reasoning_parser(name).name
-    except ValueError as e:
-        raise ConfigError(f"reasoning_parser: {e}") from None
-
-
-def _quant_config(quantization: str | None, hf_config: dict[str, Any], arch: str, device: str,
-                  use_triton: bool) -> QuantConfig | None:
-    from photon.quant.config import resolve_quant_config
-
-    return resolve_quant_config(quantization, hf_config, arch, device, use_triton)
-
-
-def _lora_config(args: EngineArgs) -> LoRAConfig | None:
-    from photon.lora.config import make_lora_config
-
-    try:
-        return make_lora_config(args.enable_lora, args.max_loras, args.max_lora_rank,
-                                args.max_cpu_loras, args.lora_modules)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-
-
-def _speculative_config(value: object) -> SpeculativeConfig | None:
-    from photon.spec.config import parse_speculative_config
-
-    return parse_speculative_config(value)
-
-
-def _kv_events_config(value: object) -> KVEventsConfig | None:
-    from photon.kv_events.config import parse_kv_events_config
-
-    return parse_kv_events_config(value)
-def _kv_transfer_config(value: object, tensor_parallel_size: int) -> KVTransferConfig | None:
-    from photon.kv_transfer.config import FLAG, parse_kv_transfer_config
-    from photon.kv_transfer.registry import KV_CONNECTORS
-
-    config = parse_kv_transfer_config(value)
-    if config is not None:
-        KV_CONNECTORS.get(config.kv_connector).check_config(config, tensor_parallel_size)
-    port = 0 if config is None else config.extra.kv_port
-    if port and port + tensor_parallel_size - 1 > 65535:  # rank r listens on kv_port + r
-        raise ConfigError(f"{FLAG}: kv_connector_extra_config.kv_port {port} leaves no port "
-                          f"for each of the {tensor_parallel_size} ranks (rank r listens on "
-                          f"kv_port + r, at most 65535); choose a lower one or 0 (free ports)")
-    return config
-
-
-def _parallel_config(parallel: ParallelConfig, architecture: str,
-                     hf_config: dict[str, Any]) -> ParallelConfig:
-    if parallel.distributed_executor_backend == "ray":
-        from photon.distributed.ray_launcher import check_ray_installed
-
-        check_ray_installed()
-    parallel.check_expert_parallel(architecture)
-    parallel.check_model(architecture, hf_config)
-    parallel.check_experts_span_cores(architecture, hf_config)
-    return parallel
-
-
-def _attention_backend(name: str, device: str) -> str:
-    """The backend the runner builds: `auto` resolved for the device, other names checked."""
-    from photon.attention.backend import resolve_backend_name
-
-    try:
-        return resolve_backend_name(name, device)
-    except ValueError as e:
-        raise ConfigError(f"attention_backend: {e}") from None
-
-
-
-
-def resolve_use_triton(device: str) -> bool:
-    """Whether the model's layers run photon.kernels' Triton kernels: on CUDA when triton
-    imports, unless the process environment has PHOTON_TRITON=0 (the way back to the torch ops,
-    e.g. to compare them). Read by create_config, once per engine; never at import."""
-    from photon.kernels import has_triton
-
-    return device == "cuda" and has_triton() and os.environ.get("PHOTON_TRITON", "1") != "0"
-
-
-
-
-
-
-def _resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    check_choice("device", device, _DEVICES)
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device='cuda' but no CUDA device is available")
-    return device
-
-
-def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> torch.dtype:
-    if dtype != "auto":
-        if dtype not in _DTYPES:
-            raise ConfigError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
-        return _DTYPES[dtype]
-    if device == "cpu":
-        return torch.float32
-    ckpt = _DTYPES.get(str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"))
-    return torch.bfloat16 if ckpt in (None, torch.float32) else ckpt
-
-
-def _resolve_max_len(max_model_len: int | None, hf_config: dict[str, Any]) -> int:
-    limit = int(hf_config.get("max_position_embeddings") or 2048)
-    if max_model_len is None:
-        return limit
-    check_positive("max_model_len", max_model_len)
-    if max_model_len > limit:
-        raise ConfigError(
-            f"max_model_len={max_model_len} is larger than the model's "
-            f"max_position_embeddings={limit}")
-    return max_model_len
