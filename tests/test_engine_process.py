@@ -19,6 +19,7 @@ import pytest
 from photon.engine.async_engine import AsyncEngine, RequestSink
 from photon.engine.async_llm import AsyncLLM
 from photon.engine_args import EngineArgs
+from photon.outputs import RequestOutput
 from photon.sampling_params import SamplingParams
 from photon.structured.params import StructuredOutputsParams as SO
 from tests.engine_pair import (
@@ -94,6 +95,22 @@ def test_seeded_sampling(pair: tuple[AsyncEngine, AsyncLLM]) -> None:
     cases = [Case(f"sampled-{i}", _ids(pair, PROMPTS[i]), _sampled(100 + i, **kw))
              for i, kw in enumerate(extras)]
     _check_same(pair, cases)
+
+
+def test_request_times_cross_the_process_boundary(pair: tuple[AsyncEngine, AsyncLLM]) -> None:
+    """The core's first-scheduled and first-token times reach the front end's outputs, in
+    order after the arrival (one clock: time.monotonic on one machine)."""
+
+    async def last(engine: AsyncEngine | AsyncLLM) -> RequestOutput:
+        outs = [o async for o in engine.generate(_ids(pair, PROMPTS[0]), _greedy(4), "timed")]
+        assert outs and outs[-1].finished
+        return outs[-1]
+
+    for engine in pair:
+        m = asyncio.run(last(engine)).metrics
+        assert m is not None and m.first_scheduled_time is not None
+        assert m.first_token_time is not None
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time
 
 
 @pytest.mark.parametrize("n", [2, 3])
