@@ -214,7 +214,7 @@ def _sync(llm: Any) -> None:
 
 def _timed_generate(llm: Any, workload: Workload,
                     loras: list[Any] | None) -> tuple[float, int, dict[str, float | None]]:
-    """Elapsed seconds, output tokens and the requests' time-to-first-token percentiles
+    """Elapsed seconds, output tokens and the requests' time-to-first-token statistics
     (every request arrives at the start, so TTFT includes its wait for admission)."""
     prompt_tokens, want = totals(workload)
     _log(f"timing {len(workload)} prompts: {prompt_tokens} prompt, {want} output tokens")
@@ -229,17 +229,17 @@ def _timed_generate(llm: Any, workload: Workload,
     if got != want:
         raise RuntimeError(f"generated {got} output tokens, the workload asked for {want}")
     _log(f"{got} output tokens in {elapsed:.3f} s = {got / elapsed:.1f} tok/s")
-    return elapsed, got, ttft_percentiles(outputs)
+    return elapsed, got, ttft_stats(outputs)
 
 
-def ttft_percentiles(outputs: list[Any]) -> dict[str, float | None]:
-    """p50 / p99 of first-token time minus arrival over the outputs, in seconds."""
-    ttfts = sorted(o.metrics.first_token_time - o.metrics.arrival_time for o in outputs
-                   if o.metrics is not None and o.metrics.first_token_time is not None)
-    if not ttfts:
-        return {"ttft_p50_s": None, "ttft_p99_s": None}
-    return {"ttft_p50_s": ttfts[len(ttfts) // 2],
-            "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]}
+def ttft_stats(outputs: list[Any]) -> dict[str, float | None]:
+    """TTFT (first token's commit minus arrival) over the outputs, as `photon bench serve`
+    reports it: mean/std/median/p90/p99_ttft_ms."""
+    from photon.bench.serve_metrics import latency_stats
+
+    return latency_stats("ttft", [1000 * (o.metrics.first_token_time - o.metrics.arrival_time)
+                                  for o in outputs if o.metrics is not None
+                                  and o.metrics.first_token_time is not None])
 
 
 def model_costs(llm: Any) -> ModelCosts:
