@@ -253,3 +253,22 @@ def test_unsupported_kv_cache_scheme_and_old_gpus() -> None:
     with pytest.raises(ConfigError, match="compute capability 8.9 or newer.*this GPU is 8.0"):
         check_fp8_kv_device((8, 0))
     check_fp8_kv_device((9, 0))
+
+
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_fp8_decode_with_f16_tiles_matches_the_default_launch(block_n: int) -> None:
+    """The FP8 decode launch that converts tiles to float16 reads the same values: q is all that
+    is rounded differently (float16 keeps 10 mantissa bits)."""
+    from photon.attention.triton_paged import DecodeTuning, decode_attention, decode_tuning
+
+    case = make_case(DECODE, 8, 2, 64, 16, device="cpu")
+    cache, scales = _calibrated(case)
+    meta = case.meta
+    default = decode_tuning(64, cache, case.q)
+    assert not default.fp8_f16
+    base = decode_attention(case.q, cache, meta.block_tables, meta.seq_lens, case.scale, scales)
+    tune = DecodeTuning(block_n=block_n, num_warps=4, num_stages=2, fp8_f16=True)
+    f16 = decode_attention(case.q, cache, meta.block_tables, meta.seq_lens, case.scale, scales,
+                           tune)
+    assert f16.dtype == base.dtype and f16.shape == base.shape
+    assert (f16.float() - base.float()).abs().max().item() < 2e-2

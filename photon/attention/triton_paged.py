@@ -23,6 +23,7 @@ the scores (K) and to the accumulator (V), so no tile is multiplied element by e
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -100,7 +101,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_HEADS: tl.constexpr,
                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
-                         FP8: tl.constexpr):
+                         FP8: tl.constexpr, FP8_F16: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -114,7 +115,8 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
     qmask = gmask[:, None] & dmask[None, :]
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask,
                 other=0.0)
-    q, k_scale, v_scale = _compute_q(q, cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, scale, FP8)
+    q, k_scale, v_scale = _compute_q(q, cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, scale, FP8,
+                                     FP8_F16)
     lo = split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, seq_len)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
@@ -149,14 +151,20 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
 
 
 @triton.jit
-def _compute_q(q, cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, scale, FP8: tl.constexpr):
+def _compute_q(q, cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, scale, FP8: tl.constexpr,
+               FP8_F16: tl.constexpr = False):
     """(q in the dots' dtype, the scores' factor, the accumulator's factor). Unquantized: q in
     the cache's dtype, factors (softmax scale, 1); FP8: q keeps its dtype (the FP8 tiles are
-    converted to it), the head's K scale joins the softmax scale and its V scale the output.
-    One return with the same types on both paths: the compiler checks every return of a
-    function against the others, constexpr branches included."""
+    converted to it), or with FP8_F16 becomes float16 (e4m3 -> f16 is one conversion
+    instruction, e4m3 -> bf16 several; f16 holds every e4m3 value and bf16 q exactly unless it
+    is beyond f16's range, where it is clamped), the head's K scale joins the softmax scale and
+    its V scale the output. One return with the same types on both paths: the compiler checks
+    every return of a function against the others, constexpr branches included."""
     if FP8:
-        q_dot = q
+        if FP8_F16:
+            q_dot = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        else:
+            q_dot = q
         k_factor = scale * tl.load(k_scale_ptr + kv_head).to(tl.float32)
         v_factor = tl.load(v_scale_ptr + kv_head).to(tl.float32)
     else:
@@ -335,9 +343,26 @@ def _num_stages(dtype: torch.dtype) -> int:
     return 2 if dtype == torch.float32 else 3
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeTuning:
+    """Launch choices of the decode kernel (tools/bench_decode_attention.py sweeps them)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    fp8_f16: bool  # an FP8 cache's tiles are converted to float16 (else to q's dtype)
+
+
+def decode_tuning(head_dim: int, kv_cache: torch.Tensor, q: torch.Tensor) -> DecodeTuning:
+    dtype = _compute_dtype(q, kv_cache)
+    return DecodeTuning(block_n=_block_n(head_dim), num_warps=4, num_stages=_num_stages(dtype),
+                        fp8_f16=False)
+
+
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float,
-                     kv_scales: LayerKVScales | None = None) -> torch.Tensor:
+                     kv_scales: LayerKVScales | None = None,
+                     tuning: DecodeTuning | None = None) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]; one query per sequence at position seq_len - 1."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -347,7 +372,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     q = _last_dim_contiguous(q)
     group = num_heads // num_kv_heads
     max_ctx = block_tables.shape[1] * block_size
-    d_pad, block_n = triton.next_power_of_2(head_dim), _block_n(head_dim)
+    tune = tuning or decode_tuning(head_dim, kv_cache, q)
+    d_pad, block_n = triton.next_power_of_2(head_dim), tune.block_n
     splits, per_split = decode_split_plan(num_seqs, num_kv_heads, max_ctx, _num_sms(q.device),
                                           block_n)
     part_acc = torch.empty((num_seqs, num_heads, splits, d_pad), dtype=torch.float32,
@@ -355,7 +381,6 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     part_m = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     k_scale, v_scale, fp8 = _scale_args(kv_cache, kv_scales)
-    dtype = _compute_dtype(q, kv_cache)
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
         q, kv_cache, block_tables, seq_lens, out, part_acc, part_m, part_l, k_scale, v_scale,
         scale, max_ctx, per_split, splits,
@@ -363,8 +388,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         *_cache_strides(kv_cache),
         GROUP=group, GROUP_PAD=max(MIN_GROUP_PAD, triton.next_power_of_2(group)),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, DIRECT=splits == 1, DOT_PREC=_dot_precision(dtype), FP8=fp8,
-        num_warps=4, num_stages=_num_stages(dtype))
+        BLOCK_N=block_n, DIRECT=splits == 1, DOT_PREC=_dot_precision(_compute_dtype(q, kv_cache)),
+        FP8=fp8, FP8_F16=fp8 and tune.fp8_f16, num_warps=tune.num_warps,
+        num_stages=tune.num_stages)
     if splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_acc, part_m, part_l, out, splits, out.stride(0), out.stride(1),

@@ -59,11 +59,13 @@ def add_parser(sub: Any) -> None:
 def _breakdown(prof: torch.profiler.profile, wall_s: float, steps: int) -> dict[str, Any]:
     totals: dict[str, float] = {"attention": 0.0, "gemm": 0.0, "sampling": 0.0, "elementwise": 0.0}
     top: dict[str, float] = {}
+    launches = 0
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
         us = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
         totals[classify(evt.name)] += us
+        launches += 1
         top[evt.name] = top.get(evt.name, 0.0) + us
     busy_ms = sum(totals.values()) / 1e3
     wall_ms = wall_s * 1e3
@@ -72,6 +74,7 @@ def _breakdown(prof: torch.profiler.profile, wall_s: float, steps: int) -> dict[
     heaviest = sorted(top.items(), key=lambda kv: -kv[1])[:12]
     return {"ms_per_step": per_step, "wall_ms_per_step": wall_ms / steps,
             "fraction": {k: v / (wall_ms / steps) for k, v in per_step.items()},
+            "kernels_per_step": launches / steps,
             "top_kernels_ms_per_step": {k[:90]: v / 1e3 / steps for k, v in heaviest}}
 
 

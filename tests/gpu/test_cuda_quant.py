@@ -11,7 +11,8 @@ import torch
 
 from photon import LLM, SamplingParams
 from photon.quant import numerics as qn
-from photon.quant.fp8 import dequant_linear, fp8_linear
+from photon.quant.fp8 import _per_token, dequant_linear, fp8_linear
+from photon.quant.int8 import _per_token as int8_per_token
 from photon.quant.int8 import int8_linear
 from tests.gpu.test_cuda_pipeline import sync_debug_error  # noqa: F401  (fixture)
 from tests.quant_util import quantized_tiny
@@ -35,7 +36,7 @@ def _inputs(m: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_fp8_scaled_mm_matches_reference(m: int) -> None:
     x, w = _inputs(m)
     wq, ws = qn.per_channel_fp8(w)
-    xq, xs = qn.per_token_fp8(x)
+    xq, xs = _per_token(x)  # the activations fp8_linear multiplies (the fused kernel's)
     ref = dequant_linear(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), None, torch.float32)
     out = fp8_linear(x, wq, ws, None, None)
     assert out.dtype == torch.bfloat16
@@ -63,7 +64,7 @@ def test_int8_int_mm_matches_reference(m: int) -> None:
     x, w = _inputs(m)
     scale = w.abs().amax(dim=1, keepdim=True) / 127
     wq = qn.to_int(w, scale, -127, 127)
-    xq, xs = qn.per_token_int8(x)
+    xq, xs = int8_per_token(x)  # the activations int8_linear multiplies (the fused kernel's)
     ref = dequant_linear(xq.cpu(), xs.cpu(), wq.cpu(), scale.cpu(), None, torch.float32)
     out = int8_linear(x, wq, scale, None, None)
     torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
