@@ -264,9 +264,11 @@ def test_fp8_decode_with_f16_tiles_matches_the_default_launch(block_n: int) -> N
     case = make_case(DECODE, 8, 2, 64, 16, device="cpu")
     cache, scales = _calibrated(case)
     meta = case.meta
-    default = decode_tuning(64, cache, case.q)
-    assert not default.fp8_f16
-    base = decode_attention(case.q, cache, meta.block_tables, meta.seq_lens, case.scale, scales)
+    assert decode_tuning(64, cache, case.q.bfloat16()).fp8_f16  # 16-bit models only
+    assert not decode_tuning(64, cache, case.q).fp8_f16
+    plain = DecodeTuning(block_n=64, num_warps=4, num_stages=2, fp8_f16=False)
+    base = decode_attention(case.q, cache, meta.block_tables, meta.seq_lens, case.scale, scales,
+                            plain)
     tune = DecodeTuning(block_n=block_n, num_warps=4, num_stages=2, fp8_f16=True)
     f16 = decode_attention(case.q, cache, meta.block_tables, meta.seq_lens, case.scale, scales,
                            tune)

@@ -117,6 +117,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
                 other=0.0)
     q, k_scale, v_scale = _compute_q(q, cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, scale, FP8,
                                      FP8_F16)
+    q_t = tl.trans(q)
     lo = split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, seq_len)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
@@ -129,7 +130,10 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
         offs, kvmask = _load_page_tile(cache_ptr, bt_row, n, nmask, d, dmask, kv_head,
                                        stride_blk, stride_off, stride_ch, BLOCK_SIZE)
         k = tl.load(cache_ptr + offs, mask=kvmask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * k_scale
+        if FP8_F16:  # K as the dot's first operand: an 8-bit tile is not transposed on loading
+            s = tl.trans(tl.dot(k, q_t, input_precision=DOT_PREC)) * k_scale
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * k_scale
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -356,7 +360,7 @@ class DecodeTuning:
 def decode_tuning(head_dim: int, kv_cache: torch.Tensor, q: torch.Tensor) -> DecodeTuning:
     dtype = _compute_dtype(q, kv_cache)
     return DecodeTuning(block_n=_block_n(head_dim), num_warps=4, num_stages=_num_stages(dtype),
-                        fp8_f16=False)
+                        fp8_f16=kv_cache.element_size() == 1 and q.element_size() == 2)
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

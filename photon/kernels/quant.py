@@ -34,8 +34,9 @@ def _per_token_quant(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, QMAX: tl.conste
                      MIN_SCALE: tl.constexpr, IS_INT: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
-    # IEEE divisions (Triton's `/` may be approximate on CUDA): the reference's bits
-    scale = tl.maximum(tl.math.div_rn(_row_amax(x_row, K, BLOCK_K), QMAX), MIN_SCALE)
+    # amax times 1 / QMAX in float32 and an IEEE division of x (Triton's `/` may be approximate
+    # on CUDA): the reference's bits (photon.quant.numerics)
+    scale = tl.maximum(_row_amax(x_row, K, BLOCK_K) * (1.0 / QMAX), MIN_SCALE)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)

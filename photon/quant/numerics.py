@@ -17,7 +17,9 @@ MIN_SCALE = 1e-12
 
 
 def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    return (amax.float() / FP8_MAX).clamp_min(MIN_SCALE)
+    # amax times the float32 reciprocal, not a division: torch divides by a Python scalar that
+    # way on CUDA and exactly on CPU, so this is the one formula every device and kernel shares.
+    return (amax.float() * (1.0 / FP8_MAX)).clamp_min(MIN_SCALE)
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -42,7 +44,7 @@ def per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (int8 [M, K], float32 scales [M, 1]), symmetric."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / INT8_MAX).clamp_min(MIN_SCALE)
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() * (1.0 / INT8_MAX)).clamp_min(MIN_SCALE)
     return to_int(x, scale, -127, 127), scale
 
 
