@@ -56,11 +56,15 @@ def test_graphs_pipelined_equal_blocking_and_agree_with_eager_and_bf16_kv(kw: di
     """Pipelined equals blocking token for token (same graphs, same batches). Graphs against
     eager agree closely but need not be equal: a graph runs the padded batch, whose GEMMs may
     pick other kernels than the eager batch's, and FP8 rounding turns a last-bit difference in
-    a key or value into a whole FP8 step, enough to flip a near-tie of photon-tiny's logits."""
+    a key or value into a whole FP8 step, enough to flip a near-tie of photon-tiny's logits
+    (the decode kernel's split count follows the batch size too). With FP8 weights as well,
+    the activations' per-token scales carry such differences into every GEMM: one flip ends a
+    sequence's common prefix, so 0.8 of the prefix tokens (12 of 16 sequences identical would
+    already give 0.75) is the bar there."""
     graphs = _greedy(**kw)
     assert _greedy(pipelined=False, **kw) == graphs
     eager = _greedy(enforce_eager=True, **kw)
-    assert _prefix_agreement(graphs, eager) >= 0.9
+    assert _prefix_agreement(graphs, eager) >= (0.8 if "quantization" in kw else 0.9)
     bf16 = _greedy(**{k: v for k, v in kw.items() if k not in ("kv_cache_dtype",
                                                                "calculate_kv_scales")})
     assert _prefix_agreement(bf16, graphs) >= 0.75
