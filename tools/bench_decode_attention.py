@@ -52,10 +52,9 @@ def _fp8_cache(cache: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, LayerK
 
 def sweep(cache_dtype: str) -> list[DecodeTuning]:
     if cache_dtype == "bf16":
-        return [DecodeTuning(n, 4, 3, False) for n in (64, 128)]
+        return [DecodeTuning(n, 4, s, False) for n in (64, 128) for s in (2, 3, 4)]
     grid = itertools.product((32, 64, 128), (2, 4), (2, 3))
-    plain = [DecodeTuning(64, 4, 3, False), DecodeTuning(128, 4, 3, True, cvt_asm=False)]
-    return plain + [DecodeTuning(n, w, s, True) for n, w, s in grid]
+    return [DecodeTuning(64, 4, 3, False)] + [DecodeTuning(n, w, s, True) for n, w, s in grid]
 
 
 def _time(fn: Any, runs: int, launches: int = 20) -> float:

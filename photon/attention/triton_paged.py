@@ -93,19 +93,6 @@ def _load_page_tile(cache_ptr, bt_row_ptr, n, nmask, d, dmask, kv_head,
 
 
 @triton.jit
-def _to_dot_dtype(x, dtype: tl.constexpr, F16_ASM: tl.constexpr):
-    """A loaded K/V tile in the dots' dtype. FP8 -> float16 on CUDA goes through inline PTX
-    (cvt.rn.f16x2.e4m3x2, two values an instruction) so the compiler converts the tile as
-    loaded: a plain cast lets it move the 8-bit tile into the dot's operand layout through
-    shared memory first, one byte a load. (The interpreter runs no PTX: F16_ASM is off there.)"""
-    if F16_ASM:
-        return tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h",
-                                         [x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
-                                         is_pure=False, pack=2)
-    return x.to(dtype)
-
-
-@triton.jit
 def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
                          part_acc_ptr, part_m_ptr, part_l_ptr, k_scale_ptr, v_scale_ptr,
                          scale, max_ctx, tokens_per_split, num_splits,
@@ -114,7 +101,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_HEADS: tl.constexpr,
                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
-                         FP8: tl.constexpr, FP8_F16: tl.constexpr, F16_ASM: tl.constexpr):
+                         FP8: tl.constexpr, FP8_F16: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -142,7 +129,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
         nmask = n < hi
         offs, kvmask = _load_page_tile(cache_ptr, bt_row, n, nmask, d, dmask, kv_head,
                                        stride_blk, stride_off, stride_ch, BLOCK_SIZE)
-        k = _to_dot_dtype(tl.load(cache_ptr + offs, mask=kvmask, other=0.0), q.dtype, F16_ASM)
+        k = tl.load(cache_ptr + offs, mask=kvmask, other=0.0).to(q.dtype)
         if FP8_F16:  # K as the dot's first operand: an 8-bit tile is not transposed on loading
             s = tl.trans(tl.dot(k, q_t, input_precision=DOT_PREC)) * k_scale
         else:
@@ -151,8 +138,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
-        v = _to_dot_dtype(tl.load(cache_ptr + stride_kv + offs, mask=kvmask, other=0.0), q.dtype,
-                          F16_ASM)
+        v = tl.load(cache_ptr + stride_kv + offs, mask=kvmask, other=0.0).to(q.dtype)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
@@ -369,7 +355,6 @@ class DecodeTuning:
     num_warps: int
     num_stages: int
     fp8_f16: bool  # an FP8 cache's tiles are converted to float16 (else to q's dtype)
-    cvt_asm: bool = True  # ... by inline PTX, as loaded (see _to_dot_dtype)
 
 
 def decode_tuning(head_dim: int, kv_cache: torch.Tensor, q: torch.Tensor) -> DecodeTuning:
@@ -412,9 +397,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         GROUP=group, GROUP_PAD=max(MIN_GROUP_PAD, triton.next_power_of_2(group)),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, DIRECT=splits == 1, DOT_PREC=_dot_precision(_compute_dtype(q, kv_cache)),
-        FP8=fp8, FP8_F16=fp8 and tune.fp8_f16,
-        F16_ASM=fp8 and tune.fp8_f16 and tune.cvt_asm and not _interpreting(),
-        num_warps=tune.num_warps,
+        FP8=fp8, FP8_F16=fp8 and tune.fp8_f16, num_warps=tune.num_warps,
         num_stages=tune.num_stages)
     if splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
