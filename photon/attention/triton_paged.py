@@ -17,8 +17,10 @@ Prefill / chunked prefill / mixed steps: `_prefill_kernel`, grid
   (num_seqs, cdiv(max_query_len, BLOCK_M), num_heads). Query j of sequence i sits at absolute
   position seq_len - q_len + j and attends causally to the cached positions <= its own.
 FP8 cache (FP8 constexpr): the write stores x / scale saturated to +-448; the attention kernels
-load the FP8 tiles, convert them to q's dtype (exact) and apply the program's KV head's scales to
-the scores (K) and to the accumulator (V), so no tile is multiplied element by element.
+load the FP8 tiles, convert them to q's dtype (exact; the decode kernel of a 16-bit model converts
+them to float16 and uses K as the first dot operand, see DecodeTuning) and apply the program's KV
+head's scales to the scores (K) and to the accumulator (V), so no tile is multiplied element by
+element.
 """
 
 from __future__ import annotations
