@@ -135,6 +135,25 @@ def _check_wna16_paths(w: torch.Tensor, bits: int, group: int, symmetric: bool,
 
 
 @triton_only
+@pytest.mark.parametrize("m", [1, 17, 40])
+def test_int8_scaling_epilogue_is_the_torch_expression(m: int) -> None:
+    """photon.kernels.quant.scale_int32 (the INT8 GEMM's epilogue) gives the bits of the torch
+    expression it replaces, per-token and per-tensor activation scales, with and without bias.
+    float32 output: the interpreter truncates float32 -> bfloat16 where CUDA rounds (the bf16
+    output is checked bit for bit in tests/gpu/test_cuda_quant.py)."""
+    from photon.kernels.quant import scale_int32
+
+    gen = torch.Generator().manual_seed(m)
+    acc = torch.randint(-2**20, 2**20, (m, 300), generator=gen, dtype=torch.int32)
+    ws = torch.rand(300, 1, generator=gen) * 1e-3
+    bias = randn(300, seed=m)
+    for xs in (torch.rand(m, 1, generator=gen) * 1e-2, torch.full((1, 1), 3e-3)):
+        want = acc.float() * xs * ws.reshape(1, -1)
+        assert torch.equal(scale_int32(acc, xs, ws, None, torch.float32), want)
+        assert torch.equal(scale_int32(acc, xs, ws, bias, torch.float32), want + bias)
+
+
+@triton_only
 def test_fused_per_token_quant_matches_reference() -> None:
     """The one-kernel activation quantization (photon.kernels.quant) against the torch reference:
     INT8 bit for bit (ties to even included) and FP8 scales exactly. Triton's interpreter

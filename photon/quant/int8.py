@@ -2,7 +2,8 @@
 quantized per token on the fly (or with a static per-tensor input_scale).
 
 On CUDA the GEMM is torch._int_mm (int32 accumulation), its rows padded to the 17 it needs at
-least (a fixed shape: safe in CUDA graphs); on CPU the reference path dequantizes and multiplies.
+least (a fixed shape: safe in CUDA graphs), and one kernel scales its result into the output
+(photon.kernels.quant.scale_int32); on CPU the reference path dequantizes and multiplies.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     if rows < INT_MM_MIN_ROWS:
         xq = F.pad(xq, (0, 0, 0, INT_MM_MIN_ROWS - rows))
     acc = torch._int_mm(xq, weight.t())[:rows]
-    out = (acc.float() * xs * weight_scale.reshape(1, -1)).to(x.dtype)
-    return out if bias is None else out + bias
+    from photon.kernels.quant import scale_int32
+
+    return scale_int32(acc, xs, weight_scale, bias, x.dtype)
 
 
 def _per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,6 +70,19 @@ def test_int8_int_mm_matches_reference(m: int) -> None:
     torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("m", [1, 17, 300])
+def test_int8_scaling_epilogue_is_bitwise_the_torch_expression(m: int) -> None:
+    from photon.kernels.quant import scale_int32
+
+    g = torch.Generator().manual_seed(m)
+    acc = torch.randint(-2**20, 2**20, (m, 384), generator=g, dtype=torch.int32).cuda()
+    xs, ws = (torch.rand(m, 1, generator=g) * 1e-2).cuda(), (torch.rand(384, 1) * 1e-3).cuda()
+    bias = torch.randn(384, generator=g).cuda().bfloat16()
+    want = (acc.float() * xs * ws.reshape(1, -1)).bfloat16()
+    assert torch.equal(scale_int32(acc, xs, ws, None, torch.bfloat16), want)
+    assert torch.equal(scale_int32(acc, xs, ws, bias, torch.bfloat16), want + bias)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [1, 20, 33, 300])  # fused (K split, BLOCK_M 32, 64); dequantize
 def test_wna16_kernel_matches_reference(m: int, bits: int) -> None:
