@@ -38,7 +38,7 @@ class FakeClock:
 
 
 def test_step_recorder_times_consecutive_decode_steps_by_k() -> None:
-    rec = StepRecorder(k=2, clock=FakeClock([0.0, 1.0, 1.5, 2.5, 2.75, 5.0, 5.5]))
+    rec = StepRecorder(k=2, clock=FakeClock([0.0, 1.0, 1.5, 2.5, 2.75, 5.0, 5.5, 6.0]))
     rec.committed(0, 4, 0, False)  # prefill
     rec.committed(1, 4, 2, True)  # 1.0 (after a prefill step: still a decode step)
     rec.committed(2, 4, 2, True)  # 0.5
@@ -49,6 +49,13 @@ def test_step_recorder_times_consecutive_decode_steps_by_k() -> None:
     assert rec.step_times(4) == {2: [1.0, 0.5, 0.5], 1: [1.0]}
     assert summarize_steps(rec, 4) == ({1: 1.0, 2: 0.5}, {1: 1, 2: 3})
     assert rec.choose(4) == 2  # fixed K without the engine's policy
+    # every step after the first, by kind: full 1.0 + 0.5 + 1.0 + 0.5 (and step 6's 2.25),
+    # partial 0.25 (3 rows)
+    seconds, counts = rec.time_by_kind(4)
+    assert seconds == {"full": 5.25, "partial": 0.25, "mixed": 0.0}
+    assert counts == {"full": 5, "partial": 1, "mixed": 0}
+    rec.committed(8, 4, 0, False)  # a prompt chunk beside decode rows
+    assert rec.time_by_kind(4)[1] == {"full": 5, "partial": 1, "mixed": 1}
 
 
 def _cell(method: str, k: int, adaptive: bool, tok_s: float, step: dict[int, float],
@@ -160,6 +167,9 @@ def test_cli_small_matrix(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
         # 2 x B requests, B at a time: decode steps of exactly B rows were timed
         assert c["output_tokens"] == 2 * b * OUTPUT_LEN and c["output_tokens_per_s"] > 0
         assert c["step_time_s"]
+        assert set(c["step_kind_s"]) == {"full", "partial", "mixed"}
+        assert c["step_kind_count"]["full"] >= sum(c["steps"].values())
+        assert 0 < sum(c["step_kind_s"].values()) <= c["elapsed_s"]
         if method == NO_SPEC:
             assert c["speedup"] == 1.0 and c["mean_acceptance_length"] is None
             assert c["acceptance_rate_per_pos"] is None and c["predicted_speedup"] is None

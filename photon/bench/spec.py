@@ -268,6 +268,7 @@ def _run_cell(llm: Any, recorder: StepRecorder, setting: SpecSetting,
     step_time, steps = summarize_steps(recorder, b)
     cell = Cell(setting.method, setting.k, setting.adaptive, b, got, elapsed, got / elapsed,
                 step_time, steps)
+    cell.step_kind_s, cell.step_kind_count = recorder.time_by_kind(b)
     after = llm.engine.spec_stats()
     if after is not None:
         stats = after.since(before)

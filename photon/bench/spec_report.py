@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 NO_SPEC = "none"
+STEP_KINDS = ("full", "partial", "mixed")
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,21 @@ class StepRecorder:
         return out
 
 
+    def time_by_kind(self, batch_size: int) -> tuple[dict[str, float], dict[str, int]]:
+        """Seconds and count of the committed steps by kind, each step's time the time since
+        the commit before it (the first commit's own time is not counted): `full` decode steps
+        of `batch_size` rows, `partial` decode steps of fewer rows (a batch not yet full, or
+        its tail), `mixed` steps carrying a prompt chunk."""
+        seconds = dict.fromkeys(STEP_KINDS, 0.0)
+        counts = dict.fromkeys(STEP_KINDS, 0)
+        for prev, cur in zip(self.commits, self.commits[1:]):
+            kind = ("mixed" if not cur.decode_only
+                    else "full" if cur.batch_size == batch_size else "partial")
+            seconds[kind] += cur.time - prev.time
+            counts[kind] += 1
+        return seconds, counts
+
+
 @dataclass
 class Cell:
     method: str
@@ -116,6 +132,9 @@ class Cell:
     speedup: float | None = None  # over no speculation at the same B
     predicted_speedup: float | None = None
     prediction_error: float | None = None  # speedup / predicted_speedup - 1
+    # Where the cell's time went (StepRecorder.time_by_kind): seconds and steps by step kind
+    step_kind_s: dict[str, float] = field(default_factory=dict)
+    step_kind_count: dict[str, int] = field(default_factory=dict)
 
     @property
     def setting(self) -> SpecSetting:
