@@ -4,8 +4,9 @@ Usage: python tools/bench_decode_attention.py [--batch 256] [--context 1024] [--
 
 One decode step of one layer, for the Qwen3-0.6B (16 query / 8 KV heads) and Llama-3.1-8B
 (32 / 8) head layouts, D = 128, 16-token pages scattered over the pool: every DecodeTuning in the
-sweep is timed (median of CUDA-event-timed runs) and checked against the default bf16 launch on
-the same (dequantized) values. The bandwidth fraction is KV bytes read / time / the measured HBM
+sweep is timed (median over replays of a CUDA graph of 20 launches; single launches timed by
+events vary by +-20%) and its largest deviation from the default bf16 launch on the same
+(dequantized) values is reported. The bandwidth fraction is KV bytes read / time / the measured HBM
 read bandwidth. Prints one JSON line per (layout, cache dtype, tuning); needs a CUDA GPU.
 """
 
@@ -22,7 +23,7 @@ import torch
 
 from photon.attention.kv_quant import LayerKVScales
 from photon.attention.triton_paged import DecodeTuning, decode_attention
-from photon.bench.roofline import _median_cuda_ms, measure_hbm_bandwidth
+from photon.bench.roofline import measure_hbm_bandwidth, median_cuda_ms
 from photon.quant.numerics import FP8_DTYPE
 
 LAYOUTS = {"qwen3-0.6b": (16, 8), "llama-3.1-8b": (32, 8)}
@@ -66,7 +67,7 @@ def _time(fn: Any, runs: int, launches: int = 20) -> float:
         with torch.cuda.graph(graph):
             for _ in range(launches):
                 fn()
-        return _median_cuda_ms(graph.replay, runs) / launches
+        return median_cuda_ms(graph.replay, runs) / launches
     except Exception as exc:  # out of shared memory or registers for this launch
         print(f"skipped: {exc.__class__.__name__}: {str(exc)[:120]}", file=sys.stderr)
         return float("nan")

@@ -92,7 +92,7 @@ def roofline_tok_per_s(requests: Sequence[tuple[int, int]], costs: ModelCosts, b
     return output_tokens / roofline_time(requests, costs, bandwidth, max_num_seqs, peak_flops)
 
 
-def _median_cuda_ms(fn: Any, runs: int) -> float:
+def median_cuda_ms(fn: Any, runs: int) -> float:
     import torch
 
     fn()  # warm-up
@@ -114,7 +114,7 @@ def measure_hbm_bandwidth(device: Any = "cuda", nbytes: int = 4 << 30, runs: int
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"measure_hbm_bandwidth needs a CUDA device, got {device}")
-    ms = _median_cuda_ms(torch.ones(nbytes // 4, dtype=torch.float32, device=device).sum, runs)
+    ms = median_cuda_ms(torch.ones(nbytes // 4, dtype=torch.float32, device=device).sum, runs)
     torch.cuda.empty_cache()  # the 4 GiB buffer is gone: give it back before the engine runs
     return nbytes / (ms / 1e3)
 
@@ -128,5 +128,5 @@ def measure_matmul_flops(device: Any = "cuda", n: int = 8192, runs: int = 7) -> 
         raise ValueError(f"measure_matmul_flops needs a CUDA device, got {device}")
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    ms = _median_cuda_ms(lambda: a @ b, runs)
+    ms = median_cuda_ms(lambda: a @ b, runs)
     return 2 * n**3 / (ms / 1e3)
