@@ -256,9 +256,10 @@ def test_unsupported_kv_cache_scheme_and_old_gpus() -> None:
 
 
 @pytest.mark.parametrize("block_n", [64, 128])
-def test_fp8_decode_with_f16_tiles_matches_the_default_launch(block_n: int) -> None:
-    """The FP8 decode launch that converts tiles to float16 reads the same values: q is all that
-    is rounded differently (float16 keeps 10 mantissa bits)."""
+def test_fp8_decode_with_f16_tiles_matches_the_plain_launch(block_n: int) -> None:
+    """The FP8 decode launch that converts tiles to float16 reads the same values: q (and the
+    probabilities before the V dot) are all that is rounded differently, to float16's 11
+    significant bits (relative 2^-11): outputs of magnitude ~1 move by a few 1e-4."""
     from photon.attention.triton_paged import DecodeTuning, decode_attention, decode_tuning
 
     case = make_case(DECODE, 8, 2, 64, 16, device="cpu")
@@ -273,4 +274,4 @@ def test_fp8_decode_with_f16_tiles_matches_the_default_launch(block_n: int) -> N
     f16 = decode_attention(case.q, cache, meta.block_tables, meta.seq_lens, case.scale, scales,
                            tune)
     assert f16.dtype == base.dtype and f16.shape == base.shape
-    assert (f16.float() - base.float()).abs().max().item() < 2e-2
+    assert (f16.float() - base.float()).abs().max().item() < 2e-3
