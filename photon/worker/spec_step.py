@@ -143,7 +143,12 @@ class SpecDecoder:
         if req.numel() == 0:
             return
         lens = self.dev_len[req]
-        prop = self.proposer.propose(ProposeContext(pool, req, lens, self.k, self.fused))
+        # A zombie row that verified drafts past the end has a device length beyond
+        # max_model_len (its tokens are dropped at commit): the proposer reads positions
+        # < its length from the pool row (max_model_len + 1 wide) and proposes nothing for a row
+        # with no room left, so such a row is shown at max_model_len.
+        seen = lens.clamp(max=self.max_model_len)
+        prop = self.proposer.propose(ProposeContext(pool, req, seen, self.k, self.fused))
         num = prop.num_draft.long()
         j = self._j[None, :self.k]
         idx = req[:, None] * self.pool_width + (lens[:, None] + j).clamp(max=self.pool_width - 1)
