@@ -18,6 +18,8 @@ from photon.bench.spec_report import (
     draft_share,
     expected_tokens,
     fill_speedups,
+    max_output_len,
+    output_lengths,
     settings,
     summarize_steps,
 )
@@ -178,6 +180,34 @@ def test_cli_small_matrix(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
             assert 1.0 <= c["mean_acceptance_length"] <= k + 1
             assert len(c["acceptance_rate_per_pos"]) == k
             assert c["speedup"] > 0
+
+
+def test_output_lengths_are_seeded_and_in_range() -> None:
+    assert output_lengths(5, 128, 0.0, 0) == [128] * 5
+    lengths = output_lengths(1000, 128, 0.5, 3)
+    assert lengths == output_lengths(1000, 128, 0.5, 3) != output_lengths(1000, 128, 0.5, 4)
+    assert min(lengths) == 64 and max(lengths) == 192 == max_output_len(128, 0.5)
+    assert abs(sum(lengths) / len(lengths) - 128) < 4
+    assert min(output_lengths(100, 2, 0.9, 0)) >= 1
+
+
+def test_cli_output_lengths_vary_and_are_generated(capsys: pytest.CaptureFixture[str],
+                                                   tmp_path: Path) -> None:
+    """--output-len-range-ratio: each cell generates exactly the drawn lengths (the same for
+    every setting), the engine's max_model_len fits the longest, and the ratio is recorded."""
+    out_json = tmp_path / "spec.json"
+    code = main(["bench", "spec", "--model", PHOTON_TINY, "--device", "cpu", "--methods", "ngram",
+                 "--batch-sizes", "2", "--num-speculative-tokens", "2",
+                 "--adaptive-num-speculative-tokens", "--input-len", "8", "--output-len", "6",
+                 "--output-len-range-ratio", "0.5", "--requests-per-slot", "3",
+                 "--warmup-tokens", "0", "--output-json", str(out_json)])
+    assert code == 0, capsys.readouterr().err
+    summary = json.loads(out_json.read_text())
+    assert summary["output_len_range_ratio"] == 0.5
+    want = sum(output_lengths(6, 6, 0.5, 0))
+    assert [c["output_tokens"] for c in summary["cells"]] == [want, want]
+    assert main(["bench", "spec", "--device", "cpu", "--output-len-range-ratio", "1"]) != 0
+    assert "--output-len-range-ratio must be in [0, 1)" in capsys.readouterr().err
 
 
 def test_cli_refuses_a_speculative_config(capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,7 +2,8 @@
 
 For each engine setting (no speculation; each method x K x adaptive off/on) one engine is built
 and reused for every batch size B, smallest first: N x B greedy requests (EOS ignored,
-`--output-len` tokens each, N = `--requests-per-slot`) in one `LLM.generate` call with at most B
+`--output-len` tokens each, or lengths drawn around it with `--output-len-range-ratio`, the same
+for every setting; N = `--requests-per-slot`) in one `LLM.generate` call with at most B
 running at once, after a warm-up generate of B requests with `--warmup-tokens` tokens. Requests
 finish at different steps when speculating (their acceptance differs); refilling the batch keeps
 it at B, as a server's would be, instead of ending every cell with a tail of a few slow rows. Reusing the engine across B does not change what is
@@ -35,6 +36,8 @@ from photon.bench.spec_report import (
     SpecSetting,
     StepRecorder,
     fill_speedups,
+    max_output_len,
+    output_lengths,
     settings,
     summarize_steps,
     table,
@@ -75,6 +78,12 @@ def add_parser(bench_sub: Any) -> None:
     g.add_argument("--input-len", type=int, default=128, help="Prompt tokens (default 128).")
     g.add_argument("--output-len", type=int, default=128,
                    help="Output tokens per request (default 128).")
+    g.add_argument("--output-len-range-ratio", type=float, default=0.0, metavar="R",
+                   help="Draw each request's output length uniformly from [output_len x (1 - R), "
+                        "output_len x (1 + R)] (seeded by --prompt-seed; default 0: every request "
+                        "--output-len tokens). With equal lengths the requests without "
+                        "speculation finish on the same step and their batch refills at once; "
+                        "speculative ones finish apart.")
     g.add_argument("--requests-per-slot", type=int, default=4, metavar="N",
                    help="Each cell runs N x B requests, at most B at a time: a finished request's "
                         "place is taken by the next, so the batch stays at B until the last B "
@@ -120,6 +129,9 @@ def _check_args(ns: argparse.Namespace) -> None:
     if max(ns.batch_sizes) > ns.max_num_seqs:
         raise ValueError(f"--batch-sizes {max(ns.batch_sizes)} exceeds --max-num-seqs "
                          f"{ns.max_num_seqs}: raise --max-num-seqs")
+    if not 0.0 <= ns.output_len_range_ratio < 1.0:
+        raise ValueError(f"--output-len-range-ratio must be in [0, 1), got "
+                         f"{ns.output_len_range_ratio}")
     for flag, value, low in (("--input-len", ns.input_len, 1), ("--output-len", ns.output_len, 1),
                              ("--warmup-tokens", ns.warmup_tokens, 0)):
         if value < low:
@@ -137,10 +149,12 @@ def run_spec(ns: argparse.Namespace) -> int:
     errors: list[dict[str, str]] = []
     with tempfile.TemporaryDirectory(prefix="photon-bench-") as workdir:
         args = _engine_args(bench_engine_args(ns, workdir), ns)
-        prompts, source = _prompts(ns, args, ns.requests_per_slot * max(batch_sizes))
+        count = ns.requests_per_slot * max(batch_sizes)
+        prompts, source = _prompts(ns, args, count)
+        lengths = output_lengths(count, ns.output_len, ns.output_len_range_ratio, ns.prompt_seed)
         for setting in matrix:
             try:
-                cells += _run_setting(args, setting, ns, prompts, batch_sizes)
+                cells += _run_setting(args, setting, ns, prompts, lengths, batch_sizes)
             except Exception as e:  # noqa: BLE001 - the other settings still run and report
                 errors.append({"setting": setting.label, "error": f"{type(e).__name__}: {e}"})
                 _log(f"{setting.label} failed: {errors[-1]['error']}")
@@ -161,6 +175,7 @@ def _summary_line(ns: argparse.Namespace, args: Any, source: str, cells: list[Ce
     summary = {"benchmark": "spec", "date": time.strftime("%Y-%m-%d"), "complete": complete,
                "model": args.model, "draft": ns.draft, "prompts": source,
                "input_len": ns.input_len, "output_len": ns.output_len,
+               "output_len_range_ratio": ns.output_len_range_ratio,
                "warmup_tokens": ns.warmup_tokens, "batch_sizes": sorted(set(ns.batch_sizes)),
                "num_speculative_tokens": sorted(set(ns.num_speculative_tokens)),
                "adaptive_num_speculative_tokens": sorted(set(ns.adaptive_num_speculative_tokens)),
@@ -177,7 +192,8 @@ def _engine_args(args: Any, ns: argparse.Namespace) -> Any:
     """Prefix caching off (see the module doc); max_model_len fits the requests by default."""
     args.enable_prefix_caching = False
     if args.max_model_len is None:
-        args.max_model_len = ns.input_len + ns.output_len + ns.warmup_tokens
+        longest = max_output_len(ns.output_len, ns.output_len_range_ratio)
+        args.max_model_len = ns.input_len + max(longest, ns.warmup_tokens)
     return args
 
 
@@ -213,13 +229,15 @@ def _build(args: Any, setting: SpecSetting, draft: str | None) -> tuple[Any, Ste
 
 
 def _run_setting(args: Any, setting: SpecSetting, ns: argparse.Namespace,
-                 prompts: list[list[int]], batch_sizes: list[int]) -> list[Cell]:
+                 prompts: list[list[int]], lengths: list[int], batch_sizes: list[int]
+                 ) -> list[Cell]:
     start = time.perf_counter()
     llm, recorder = _build(args, setting, ns.draft)
     _log(f"engine {setting.label}: built in {time.perf_counter() - start:.1f} s")
     try:
         n = ns.requests_per_slot
-        return [_run_cell(llm, recorder, setting, prompts[:n * b], b, ns) for b in batch_sizes]
+        return [_run_cell(llm, recorder, setting, prompts[:n * b], lengths[:n * b], b, ns)
+                for b in batch_sizes]
     finally:
         del llm
         _free_memory()
@@ -242,29 +260,30 @@ def _sync(llm: Any) -> None:
         torch.cuda.synchronize()
 
 
-def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> int:
+def _generate(llm: Any, prompts: list[list[int]], lengths: list[int]) -> int:
+    """Greedy outputs of lengths[i] tokens (EOS ignored) for prompts[i]; the tokens generated."""
     from photon.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
-    outputs = llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in lengths]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     return sum(len(c.token_ids) for out in outputs for c in out.outputs)
 
 
 def _run_cell(llm: Any, recorder: StepRecorder, setting: SpecSetting,
-              prompts: list[list[int]], b: int, ns: argparse.Namespace) -> Cell:
+              prompts: list[list[int]], lengths: list[int], b: int,
+              ns: argparse.Namespace) -> Cell:
     llm.engine.scheduler.max_running = b
     if ns.warmup_tokens:
-        _generate(llm, prompts[:b], ns.warmup_tokens)
+        _generate(llm, prompts[:b], [ns.warmup_tokens] * b)
     recorder.commits.clear()
     before = llm.engine.spec_stats()
     _sync(llm)
     start = time.perf_counter()
-    got = _generate(llm, prompts, ns.output_len)
+    got = _generate(llm, prompts, lengths)
     _sync(llm)
     elapsed = time.perf_counter() - start
-    if got != len(prompts) * ns.output_len:
-        raise RuntimeError(f"generated {got} output tokens, the cell asked for "
-                           f"{len(prompts) * ns.output_len}")
+    if got != sum(lengths):
+        raise RuntimeError(f"generated {got} output tokens, the cell asked for {sum(lengths)}")
     step_time, steps = summarize_steps(recorder, b)
     cell = Cell(setting.method, setting.k, setting.adaptive, b, got, elapsed, got / elapsed,
                 step_time, steps)

@@ -18,6 +18,7 @@ missing). The adaptive prediction is what its switch would get if it always pick
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -139,6 +140,20 @@ class Cell:
     @property
     def setting(self) -> SpecSetting:
         return SpecSetting(self.method, self.k, self.adaptive)
+
+
+def output_lengths(count: int, output_len: int, ratio: float, seed: int) -> list[int]:
+    """Each request's output length: `output_len`, or (ratio > 0) drawn uniformly from
+    [output_len x (1 - ratio), output_len x (1 + ratio)] (at least 1) by a seeded generator."""
+    if ratio == 0:
+        return [output_len] * count
+    rng = random.Random(seed)
+    low = max(1, round(output_len * (1 - ratio)))
+    return [rng.randint(low, max_output_len(output_len, ratio)) for _ in range(count)]
+
+
+def max_output_len(output_len: int, ratio: float) -> int:
+    return round(output_len * (1 + ratio))
 
 
 def summarize_steps(recorder: StepRecorder, batch_size: int) -> tuple[dict[int, float],
