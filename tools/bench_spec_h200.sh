@@ -12,6 +12,7 @@
 # Settings (environment variables, defaults in brackets):
 #   TARGET_SECONDS [100], DRAFT_SECONDS [40]   training budget of each bench model
 #   OUTPUT_LEN [128], INPUT_LEN [128]          tokens per request of every cell
+#   OUTPUT_LEN_RANGE_RATIO [0]                 output lengths drawn from OUTPUT_LEN x [1 - R, 1 + R]
 #   REQUESTS_PER_SLOT [4]                      each cell runs N x B requests, B at a time
 #   BATCH_SIZES ["1 4 16 64 256"]
 #   BUDGET_SECONDS [530]                       the whole run; each stage gets what is left
@@ -52,7 +53,8 @@ spec() {  # spec NAME ARGS...: photon bench spec on prompts of held-out code
   local name="$1"
   shift
   run python3 -m photon.cli bench spec --data "$data" --input-len "${INPUT_LEN:-128}" \
-    --output-len "${OUTPUT_LEN:-128}" --requests-per-slot "${REQUESTS_PER_SLOT:-4}" --batch-sizes ${BATCH_SIZES:-1 4 16 64 256} \
+    --output-len "${OUTPUT_LEN:-128}" --output-len-range-ratio "${OUTPUT_LEN_RANGE_RATIO:-0}" \
+    --requests-per-slot "${REQUESTS_PER_SLOT:-4}" --batch-sizes ${BATCH_SIZES:-1 4 16 64 256} \
     --output-json "$out/spec_$name.json" "$@"
 }
 
