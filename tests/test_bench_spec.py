@@ -18,6 +18,7 @@ from photon.bench.spec_report import (
     draft_share,
     expected_tokens,
     fill_speedups,
+    full_step_share,
     max_output_len,
     output_lengths,
     settings,
@@ -58,6 +59,10 @@ def test_step_recorder_times_consecutive_decode_steps_by_k() -> None:
     assert counts == {"full": 5, "partial": 1, "mixed": 0}
     rec.committed(8, 4, 0, False)  # a prompt chunk beside decode rows
     assert rec.time_by_kind(4)[1] == {"full": 5, "partial": 1, "mixed": 1}
+    cell = _cell("ngram", 2, False, 10.0, {2: 0.5})
+    assert full_step_share(cell) is None  # steps not recorded
+    cell.step_kind_s = {"full": 2.5, "partial": 1.0, "mixed": 1.0}
+    assert full_step_share(cell) == 2.5 / cell.elapsed_s
 
 
 def _cell(method: str, k: int, adaptive: bool, tok_s: float, step: dict[int, float],
@@ -159,6 +164,7 @@ def test_cli_small_matrix(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert json.loads(out_json.read_text()) == summary
     assert summary["complete"] is True and summary["errors"] == []
     assert "method" in out and "per-position acceptance" in out  # the table
+    assert "full steps" in out
     cells = {(c["method"], c["k"], c["adaptive"], c["batch_size"]): c for c in summary["cells"]}
     want = {(NO_SPEC, 0, False, b) for b in BATCH_SIZES} | {
         (m, k, a, b) for m in ("ngram", "draft_model") for k, a in ((1, False), (2, False),

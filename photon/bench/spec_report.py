@@ -216,6 +216,14 @@ def fill_speedups(cells: list[Cell]) -> None:
             c.prediction_error = c.speedup / c.predicted_speedup - 1.0
 
 
+def full_step_share(cell: Cell) -> float | None:
+    """The share of the cell's elapsed time spent in full-batch decode steps (None before the
+    steps were recorded)."""
+    if not cell.step_kind_s or cell.elapsed_s <= 0:
+        return None
+    return cell.step_kind_s.get("full", 0.0) / cell.elapsed_s
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -223,7 +231,7 @@ def _fmt(value: float | None, spec: str) -> str:
 def table(cells: Sequence[Cell]) -> str:
     """The human-readable table (one line per cell)."""
     head = (f"{'method':<12}{'K':>3} {'adaptive':<9}{'B':>5}{'tok/s':>11}{'speedup':>9}"
-            f"{'predicted':>10}{'accept len':>11}  per-position acceptance")
+            f"{'predicted':>10}{'accept len':>11}{'full steps':>11}  per-position acceptance")
     lines = [head, "-" * len(head)]
     for c in cells:
         rates = "-" if c.acceptance_rate_per_pos is None else \
@@ -231,5 +239,6 @@ def table(cells: Sequence[Cell]) -> str:
         lines.append(f"{c.method:<12}{c.k:>3} {('on' if c.adaptive else 'off'):<9}"
                      f"{c.batch_size:>5}{c.output_tokens_per_s:>11.1f}"
                      f"{_fmt(c.speedup, '.3f'):>9}{_fmt(c.predicted_speedup, '.3f'):>10}"
-                     f"{_fmt(c.mean_acceptance_length, '.3f'):>11}  {rates}")
+                     f"{_fmt(c.mean_acceptance_length, '.3f'):>11}"
+                     f"{_fmt(full_step_share(c), '.0%'):>11}  {rates}")
     return "\n".join(lines)
