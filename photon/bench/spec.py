@@ -193,7 +193,7 @@ def _engine_args(args: Any, ns: argparse.Namespace) -> Any:
     args.enable_prefix_caching = False
     if args.max_model_len is None:
         longest = max_output_len(ns.output_len, ns.output_len_range_ratio)
-        args.max_model_len = ns.input_len + max(longest, ns.warmup_tokens)
+        args.max_model_len = ns.input_len + longest + ns.warmup_tokens
     return args
 
 

@@ -98,7 +98,6 @@ class StepRecorder:
                 out.setdefault(cur.k, []).append(cur.time - prev.time)
         return out
 
-
     def time_by_kind(self, batch_size: int) -> tuple[dict[str, float], dict[str, int]]:
         """Seconds and count of the committed steps by kind, each step's time the time since
         the commit before it (the first commit's own time is not counted): `full` decode steps
