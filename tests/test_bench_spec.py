@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from photon.bench.serve_workload import length_bounds
 from photon.bench.spec_prompts import heldout_code_prompts, random_prompts
 from photon.bench.spec_report import (
     NO_SPEC,
@@ -19,7 +20,6 @@ from photon.bench.spec_report import (
     expected_tokens,
     fill_speedups,
     full_step_share,
-    max_output_len,
     output_lengths,
     settings,
     summarize_steps,
@@ -192,7 +192,7 @@ def test_output_lengths_are_seeded_and_in_range() -> None:
     assert output_lengths(5, 128, 0.0, 0) == [128] * 5
     lengths = output_lengths(1000, 128, 0.5, 3)
     assert lengths == output_lengths(1000, 128, 0.5, 3) != output_lengths(1000, 128, 0.5, 4)
-    assert min(lengths) == 64 and max(lengths) == 192 == max_output_len(128, 0.5)
+    assert (min(lengths), max(lengths)) == (64, 192) == length_bounds(128, 0.5)
     assert abs(sum(lengths) / len(lengths) - 128) < 4
     assert min(output_lengths(100, 2, 0.9, 0)) >= 1
 

@@ -31,12 +31,12 @@ import tempfile
 import time
 from typing import Any
 
+from photon.bench.serve_workload import length_bounds
 from photon.bench.spec_report import (
     Cell,
     SpecSetting,
     StepRecorder,
     fill_speedups,
-    max_output_len,
     output_lengths,
     settings,
     summarize_steps,
@@ -192,7 +192,7 @@ def _engine_args(args: Any, ns: argparse.Namespace) -> Any:
     """Prefix caching off (see the module doc); max_model_len fits the requests by default."""
     args.enable_prefix_caching = False
     if args.max_model_len is None:
-        longest = max_output_len(ns.output_len, ns.output_len_range_ratio)
+        longest = length_bounds(ns.output_len, ns.output_len_range_ratio)[1]
         args.max_model_len = ns.input_len + longest + ns.warmup_tokens
     return args
 

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from photon.bench.serve_workload import length_bounds
+
 NO_SPEC = "none"
 STEP_KINDS = ("full", "partial", "mixed")
 
@@ -142,17 +144,14 @@ class Cell:
 
 
 def output_lengths(count: int, output_len: int, ratio: float, seed: int) -> list[int]:
-    """Each request's output length: `output_len`, or (ratio > 0) drawn uniformly from
-    [output_len x (1 - ratio), output_len x (1 + ratio)] (at least 1) by a seeded generator."""
+    """Each request's output length: `output_len`, or (ratio > 0) drawn uniformly from the
+    bounds `photon bench serve --random-range-ratio` uses (serve_workload.length_bounds) by a
+    seeded generator."""
     if ratio == 0:
         return [output_len] * count
     rng = random.Random(seed)
-    low = max(1, round(output_len * (1 - ratio)))
-    return [rng.randint(low, max_output_len(output_len, ratio)) for _ in range(count)]
-
-
-def max_output_len(output_len: int, ratio: float) -> int:
-    return round(output_len * (1 + ratio))
+    low, high = length_bounds(output_len, ratio)
+    return [rng.randint(low, high) for _ in range(count)]
 
 
 def summarize_steps(recorder: StepRecorder, batch_size: int) -> tuple[dict[int, float],
