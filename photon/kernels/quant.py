@@ -79,13 +79,14 @@ def per_token_int8_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _scale_int32_kernel(acc_ptr, xs_ptr, ws_ptr, bias_ptr, out_ptr, M, N, stride_acc, stride_out,
-                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        stride_xs, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     acc = tl.load(acc_ptr + rows[:, None].to(tl.int64) * stride_acc + cols[None, :], mask=mask,
                   other=0)
-    xs = tl.load(xs_ptr + rows, mask=rows < M, other=0.0)
+    xs = tl.load(xs_ptr + rows * stride_xs, mask=rows < M, other=0.0)  # stride 0: per tensor
     ws = tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
     # (acc * xs) * ws in float32, one rounding to the output dtype: the torch expression's bits
     out = ((acc.to(tl.float32) * xs[:, None]) * ws[None, :]).to(out_ptr.dtype.element_ty)
@@ -103,10 +104,11 @@ def scale_int32(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
     out = torch.empty(m, n, dtype=dtype, device=acc.device)
     if m == 0 or n == 0:
         return out
-    xs = x_scale.reshape(-1).expand(m).contiguous()
+    xs = x_scale.reshape(-1)  # [M] per token or [1] per tensor: read with stride 0
     block_m, block_n = 16, 256
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _scale_int32_kernel[grid](acc, xs, w_scale.reshape(-1), bias if bias is not None else out,
-                              out, m, n, acc.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                              out, m, n, acc.stride(0), out.stride(0),
+                              xs.stride(0) if xs.numel() == m else 0, HAS_BIAS=bias is not None,
                               BLOCK_M=block_m, BLOCK_N=block_n)
     return out
