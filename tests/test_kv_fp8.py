@@ -257,26 +257,21 @@ def test_unsupported_kv_cache_scheme_and_old_gpus() -> None:
 
 @pytest.mark.parametrize("block_n", [64, 128])
 def test_fp8_decode_with_f16_tiles_matches_the_plain_launch(block_n: int) -> None:
-    """The FP8 decode launches that make float16 tiles read the same values: q (and the
+    """The FP8 decode launch that converts tiles to float16 reads the same values: q (and the
     probabilities before the V dot) are all that is rounded differently, to float16's 11
-    significant bits (relative 2^-11): outputs of magnitude ~1 move by a few 1e-4. Tiles made by
-    moving bits hold x / 256 and the scales carry the 256: the same output bit for bit."""
+    significant bits (relative 2^-11): outputs of magnitude ~1 move by a few 1e-4."""
     from photon.attention.triton_paged import DecodeTuning, decode_attention, decode_tuning
 
     case = make_case(DECODE, 8, 2, 64, 16, device="cpu")
     cache, scales = _calibrated(case)
     meta = case.meta
-    assert decode_tuning(64, cache, case.q.bfloat16()).fp8_tiles == "f16"  # 16-bit models only
-    assert decode_tuning(64, cache, case.q).fp8_tiles == "q"
-
-    def run(tiles: str, n: int) -> torch.Tensor:
-        tune = DecodeTuning(block_n=n, num_warps=4, num_stages=2, fp8_tiles=tiles)
-        return decode_attention(case.q, cache, meta.block_tables, meta.seq_lens, case.scale,
-                                scales, tune)
-
-    base, f16 = run("q", 64), run("f16", block_n)
+    assert decode_tuning(64, cache, case.q.bfloat16()).fp8_f16  # 16-bit models only
+    assert not decode_tuning(64, cache, case.q).fp8_f16
+    plain = DecodeTuning(block_n=64, num_warps=4, num_stages=2, fp8_f16=False)
+    base = decode_attention(case.q, cache, meta.block_tables, meta.seq_lens, case.scale, scales,
+                            plain)
+    tune = DecodeTuning(block_n=block_n, num_warps=4, num_stages=2, fp8_f16=True)
+    f16 = decode_attention(case.q, cache, meta.block_tables, meta.seq_lens, case.scale, scales,
+                           tune)
     assert f16.dtype == base.dtype and f16.shape == base.shape
     assert (f16.float() - base.float()).abs().max().item() < 2e-3
-    assert torch.equal(run("f16_bits", block_n), f16)
-    with pytest.raises(ValueError, match="fp8_tiles='f32': allowed q, f16, f16_bits"):
-        DecodeTuning(block_n=64, num_warps=4, num_stages=2, fp8_tiles="f32")

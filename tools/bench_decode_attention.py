@@ -53,10 +53,9 @@ def _fp8_cache(cache: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, LayerK
 
 def sweep(cache_dtype: str) -> list[DecodeTuning]:
     if cache_dtype == "bf16":
-        return [DecodeTuning(n, 4, s) for n in (64, 128) for s in (2, 3, 4)]
-    grid = itertools.product((64, 128), (4, 8), (1, 2, 3))
-    return [DecodeTuning(64, 4, 3, "q"), DecodeTuning(128, 4, 3, "f16")] + [
-        DecodeTuning(n, w, s, "f16_bits") for n, w, s in grid]
+        return [DecodeTuning(n, 4, s, False) for n in (64, 128) for s in (2, 3, 4)]
+    grid = itertools.product((32, 64, 128), (2, 4), (2, 3))
+    return [DecodeTuning(64, 4, 3, False)] + [DecodeTuning(n, w, s, True) for n, w, s in grid]
 
 
 def _time(fn: Any, runs: int, launches: int = 20) -> float:

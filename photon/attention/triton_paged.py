@@ -109,9 +109,6 @@ def _num_stages(dtype: torch.dtype) -> int:
     return 2 if dtype == torch.float32 else 3
 
 
-FP8_TILES = ("q", "f16", "f16_bits")
-
-
 @dataclasses.dataclass(frozen=True)
 class DecodeTuning:
     """Launch choices of the decode kernel (tools/bench_decode_attention.py sweeps them)."""
@@ -119,14 +116,7 @@ class DecodeTuning:
     block_n: int
     num_warps: int
     num_stages: int
-    # How an FP8 cache's tiles become dot operands: "q" converts them to q's dtype; "f16" to
-    # float16 by the conversion instruction; "f16_bits" to float16 / 256 by moving bits of byte
-    # pairs (the 1/256 joins the scales; exact, as is "f16").
-    fp8_tiles: str = "q"
-
-    def __post_init__(self) -> None:
-        if self.fp8_tiles not in FP8_TILES:
-            raise ValueError(f"fp8_tiles={self.fp8_tiles!r}: allowed {', '.join(FP8_TILES)}")
+    fp8_f16: bool  # an FP8 cache's tiles are converted to float16 (else to q's dtype)
 
 
 def decode_tuning(head_dim: int, kv_cache: torch.Tensor, q: torch.Tensor) -> DecodeTuning:
@@ -134,8 +124,9 @@ def decode_tuning(head_dim: int, kv_cache: torch.Tensor, q: torch.Tensor) -> Dec
     if kv_cache.element_size() == 1 and q.element_size() == 2 and head_dim <= 128:
         # FP8 tiles as float16, 128 positions a tile: the fastest launch on the H200 for both
         # benchmark head layouts (docs/benchmarks.md, "Decode attention kernel")
-        return DecodeTuning(block_n=128, num_warps=4, num_stages=3, fp8_tiles="f16")
-    return DecodeTuning(block_n=_block_n(head_dim), num_warps=4, num_stages=_num_stages(dtype))
+        return DecodeTuning(block_n=128, num_warps=4, num_stages=3, fp8_f16=True)
+    return DecodeTuning(block_n=_block_n(head_dim), num_warps=4, num_stages=_num_stages(dtype),
+                        fp8_f16=False)
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -168,8 +159,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         GROUP=group, GROUP_PAD=max(MIN_GROUP_PAD, triton.next_power_of_2(group)),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, DIRECT=splits == 1, DOT_PREC=_dot_precision(_compute_dtype(q, kv_cache)),
-        FP8=fp8, FP8_F16=fp8 and tune.fp8_tiles != "q",
-        FP8_BITS=fp8 and tune.fp8_tiles == "f16_bits", num_warps=tune.num_warps,
+        FP8=fp8, FP8_F16=fp8 and tune.fp8_f16, num_warps=tune.num_warps,
         num_stages=tune.num_stages)
     if splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -91,7 +91,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_HEADS: tl.constexpr,
                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
-                         FP8: tl.constexpr, FP8_F16: tl.constexpr, FP8_BITS: tl.constexpr):
+                         FP8: tl.constexpr, FP8_F16: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -107,9 +107,6 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
                 other=0.0)
     q, k_scale, v_scale = _compute_q(q, cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, scale, FP8,
                                      FP8_F16)
-    if FP8_BITS:  # the tiles hold x / 256 (see _load_fp8_as_f16)
-        k_scale = k_scale * 256.0
-        v_scale = v_scale * 256.0
     q_t = tl.trans(q)
     lo = split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, seq_len)
@@ -122,11 +119,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
         nmask = n < hi
         offs, kvmask = _load_page_tile(cache_ptr, bt_row, n, nmask, d, dmask, kv_head,
                                        stride_blk, stride_off, stride_ch, BLOCK_SIZE)
-        if FP8_BITS:
-            k = _load_fp8_as_f16(cache_ptr, bt_row, n, nmask, kv_head, 0, stride_blk,
-                                 stride_off, stride_ch, BLOCK_SIZE, HEAD_DIM, D_PAD)
-        else:
-            k = tl.load(cache_ptr + offs, mask=kvmask, other=0.0).to(q.dtype)
+        k = tl.load(cache_ptr + offs, mask=kvmask, other=0.0).to(q.dtype)
         if FP8_F16:  # K as the dot's first operand: an 8-bit tile is not transposed on loading
             s = tl.trans(tl.dot(k, q_t, input_precision=DOT_PREC)) * k_scale
         else:
@@ -135,11 +128,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
-        if FP8_BITS:
-            v = _load_fp8_as_f16(cache_ptr, bt_row, n, nmask, kv_head, stride_kv, stride_blk,
-                                 stride_off, stride_ch, BLOCK_SIZE, HEAD_DIM, D_PAD)
-        else:
-            v = tl.load(cache_ptr + stride_kv + offs, mask=kvmask, other=0.0).to(q.dtype)
+        v = tl.load(cache_ptr + stride_kv + offs, mask=kvmask, other=0.0).to(q.dtype)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
@@ -153,28 +142,6 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
         tl.store(part_m_ptr + row, m_i, mask=gmask)
         tl.store(part_l_ptr + row, l_i, mask=gmask)
         tl.store(part_acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=qmask)
-
-
-@triton.jit
-def _load_fp8_as_f16(cache_ptr, bt_row_ptr, n, nmask, kv_head, base, stride_blk, stride_off,
-                     stride_ch, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     D_PAD: tl.constexpr):
-    """The e4m3 tile [BLOCK_N, D_PAD] at context positions n as float16 holding x / 256, made by
-    moving bits: bytes are read in pairs as int16 (16-byte vector loads), and e4m3's sign,
-    exponent and mantissa land in float16's fields as they are (exponent biases 7 and 15 differ
-    by 8, hence the 1/256; e4m3 subnormals become float16 subnormals, exactly). The tile enters
-    shared memory as float16, so the V dot reads it with transposing matrix loads instead of
-    byte by byte. Needs even head_dim and cache strides (byte pairs never straddle a row)."""
-    j = tl.arange(0, D_PAD // 2)
-    blk = tl.load(bt_row_ptr + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-    row = (base + blk * stride_blk + (n % BLOCK_SIZE) * stride_off + kv_head * stride_ch) // 2
-    pairs = cache_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
-    mask = nmask[:, None] & (j < HEAD_DIM // 2)[None, :]
-    x = tl.load(pairs + row[:, None] + j[None, :], mask=mask, other=0)
-    lo = (((x & 0x7F) << 7) | ((x & 0x80) << 8)).to(tl.int16)  # byte 2j (little-endian)
-    hi = (((x >> 1) & 0x3F80) | (x & -32768)).to(tl.int16)  # byte 2j + 1
-    f16 = tl.join(lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True))
-    return tl.reshape(f16, [n.shape[0], D_PAD])
 
 
 @triton.jit

@@ -9,7 +9,7 @@ import torch
 
 from photon import LLM, SamplingParams
 from photon.attention.torch_ref import TorchReferenceBackend
-from photon.attention.triton_paged import DecodeTuning, TritonPagedBackend, decode_attention
+from photon.attention.triton_paged import TritonPagedBackend
 from tests.quant_util import heldout
 from tests.test_kv_fp8 import _calibrated, _prefix_agreement
 from tests.test_triton_attention import make_case
@@ -34,26 +34,6 @@ def test_triton_fp8_matches_reference_on_the_same_cache(specs: list[tuple[int, i
                                        scales)
     assert torch.equal(ref_cache.view(torch.uint8), tri_cache.view(torch.uint8))
     assert (ref.float() - tri.float()).abs().max().item() < 2e-2
-
-
-@pytest.mark.parametrize("block_n,warps,stages", [(64, 4, 1), (128, 4, 1), (128, 4, 3),
-                                                   (128, 8, 2)])
-def test_fp8_decode_tile_modes_agree_on_cuda(block_n: int, warps: int, stages: int) -> None:
-    """Float16 tiles made by moving bits (x / 256, the 256 in the scales) give the conversion
-    instruction's output bit for bit; both stay as close to the q-dtype tiles as on CPU."""
-    case = make_case([(1500, 1), (37, 1), (4000, 1)], 32, 8, 128, 16, dtype=torch.bfloat16,
-                     device="cuda")
-    cache, scales = _calibrated(case)
-
-    def run(tiles: str) -> torch.Tensor:
-        tune = DecodeTuning(block_n=block_n, num_warps=warps, num_stages=stages,
-                            fp8_tiles=tiles)
-        return decode_attention(case.q, cache, case.meta.block_tables, case.meta.seq_lens,
-                                case.scale, scales, tune)
-
-    f16 = run("f16")
-    assert torch.equal(run("f16_bits"), f16)
-    assert (f16.float() - run("q").float()).abs().max().item() < 2e-2
 
 
 def _greedy(**kw: object) -> list[list[int]]:
