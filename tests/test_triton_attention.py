@@ -138,29 +138,6 @@ def test_decode_wide_table_and_padded_rows(num_sms: int, monkeypatch: pytest.Mon
     check(make_case([(5, 1), (70, 1), (129, 1)], 8, 2, 64, 16, width=40, pad_rows=3), CPU_TOL)
 
 
-@pytest.mark.parametrize("shape,num_sms", [((4, 2, 80, 16), 1), ((8, 1, 32, 4), 32),
-                                           ((8, 2, 64, 32), 32)],
-                         ids=["d80_bs16_one_split", "bs4_split_k", "bs32_split_k"])
-def test_decode_tiles_by_page_equal_tiles_by_position(shape: tuple[int, int, int, int],
-                                                      num_sms: int,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Loading a tile page by page reads the same values into the same places: the outputs are
-    equal bit for bit, with partial last pages, split ranges and a padded head dim."""
-    monkeypatch.setattr(triton_paged, "_num_sms", lambda device: num_sms)
-    h, kv, d, bs = shape
-    case = make_case([(c, 1) for c in _contexts(bs)], h, kv, d, bs, width=80, pad_rows=1)
-    cache = case.cache.clone()
-    TritonPagedBackend().forward(case.q, case.k, case.v, cache, case.meta, case.scale)
-    meta = case.meta
-
-    def run(by_page: bool) -> torch.Tensor:
-        tune = triton_paged.DecodeTuning(32, 4, 2, False, by_page)
-        return triton_paged.decode_attention(case.q, cache, meta.block_tables, meta.seq_lens,
-                                             case.scale, tuning=tune)
-
-    assert torch.equal(run(True), run(False))
-
-
 def test_decode_rows_through_the_varlen_kernel() -> None:
     case = make_case([(c, 1) for c in _contexts(16)], 4, 2, 64, 16, pad_rows=2)
     case.meta.decode_only = False

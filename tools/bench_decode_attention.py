@@ -52,13 +52,10 @@ def _fp8_cache(cache: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, LayerK
 
 
 def sweep(cache_dtype: str) -> list[DecodeTuning]:
-    pages = (False, True)
     if cache_dtype == "bf16":
-        return [DecodeTuning(n, 4, s, False, p)
-                for n, s, p in itertools.product((64, 128), (2, 3, 4), pages)]
-    grid = itertools.product((64, 128), (4, 8), (1, 2, 3), pages)
-    return [DecodeTuning(64, 4, 3, False, p) for p in pages] + [
-        DecodeTuning(n, w, s, True, p) for n, w, s, p in grid]
+        return [DecodeTuning(n, 4, s, False) for n in (64, 128) for s in (2, 3, 4)]
+    grid = itertools.product((32, 64, 128), (2, 4), (2, 3))
+    return [DecodeTuning(64, 4, 3, False)] + [DecodeTuning(n, w, s, True) for n, w, s in grid]
 
 
 def _time(fn: Any, runs: int, launches: int = 20) -> float:

@@ -117,9 +117,6 @@ class DecodeTuning:
     num_warps: int
     num_stages: int
     fp8_f16: bool  # an FP8 cache's tiles are converted to float16 (else to q's dtype)
-    # Tiles are loaded page by page (one block-table read per page); used when the block size
-    # divides block_n, else tiles are gathered position by position.
-    by_page: bool = False
 
 
 def decode_tuning(head_dim: int, kv_cache: torch.Tensor, q: torch.Tensor) -> DecodeTuning:
@@ -162,8 +159,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         GROUP=group, GROUP_PAD=max(MIN_GROUP_PAD, triton.next_power_of_2(group)),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, DIRECT=splits == 1, DOT_PREC=_dot_precision(_compute_dtype(q, kv_cache)),
-        FP8=fp8, FP8_F16=fp8 and tune.fp8_f16,
-        BY_PAGE=tune.by_page and block_n % block_size == 0, num_warps=tune.num_warps,
+        FP8=fp8, FP8_F16=fp8 and tune.fp8_f16, num_warps=tune.num_warps,
         num_stages=tune.num_stages)
     if splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -83,34 +83,6 @@ def _load_page_tile(cache_ptr, bt_row_ptr, n, nmask, d, dmask, kv_head,
 
 
 @triton.jit
-def _load_kv_tile(cache_ptr, base, bt_row_ptr, start, hi, d, dmask, kv_head,
-                  stride_blk, stride_off, stride_ch, BLOCK_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, BY_PAGE: tl.constexpr):
-    """The K (base 0) or V (base stride_kv) tile [BLOCK_N, D_PAD] of positions start + i, zero
-    at positions >= hi. BY_PAGE (start a multiple of BLOCK_SIZE, BLOCK_N of BLOCK_SIZE) loads it
-    as [pages, BLOCK_SIZE, D_PAD]: one block-table read and one page address per page instead of
-    a division, a table read and an address per position."""
-    if BY_PAGE:
-        PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
-        pg = start // BLOCK_SIZE + tl.arange(0, PAGES)
-        o = tl.arange(0, BLOCK_SIZE)
-        blk = tl.load(bt_row_ptr + pg, mask=pg * BLOCK_SIZE < hi, other=0).to(tl.int64)
-        page = base + blk * stride_blk + kv_head * stride_ch
-        offs = page[:, None, None] + (o * stride_off)[None, :, None] + d[None, None, :]
-        n = pg[:, None] * BLOCK_SIZE + o[None, :]
-        x = tl.load(cache_ptr + offs, mask=(n < hi)[:, :, None] & dmask[None, None, :],
-                    other=0.0)
-        tile = tl.reshape(x, [BLOCK_N, D_PAD])
-    else:
-        n = start + tl.arange(0, BLOCK_N)
-        nmask = n < hi
-        offs, kvmask = _load_page_tile(cache_ptr, bt_row_ptr, n, nmask, d, dmask, kv_head,
-                                       stride_blk, stride_off, stride_ch, BLOCK_SIZE)
-        tile = tl.load(cache_ptr + base + offs, mask=kvmask, other=0.0)
-    return tile
-
-
-@triton.jit
 def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
                          part_acc_ptr, part_m_ptr, part_l_ptr, k_scale_ptr, v_scale_ptr,
                          scale, max_ctx, tokens_per_split, num_splits,
@@ -119,7 +91,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_HEADS: tl.constexpr,
                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
-                         FP8: tl.constexpr, FP8_F16: tl.constexpr, BY_PAGE: tl.constexpr):
+                         FP8: tl.constexpr, FP8_F16: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -145,8 +117,9 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         nmask = n < hi
-        k = _load_kv_tile(cache_ptr, 0, bt_row, start, hi, d, dmask, kv_head, stride_blk,
-                          stride_off, stride_ch, BLOCK_SIZE, BLOCK_N, D_PAD, BY_PAGE).to(q.dtype)
+        offs, kvmask = _load_page_tile(cache_ptr, bt_row, n, nmask, d, dmask, kv_head,
+                                       stride_blk, stride_off, stride_ch, BLOCK_SIZE)
+        k = tl.load(cache_ptr + offs, mask=kvmask, other=0.0).to(q.dtype)
         if FP8_F16:  # K as the dot's first operand: an 8-bit tile is not transposed on loading
             s = tl.trans(tl.dot(k, q_t, input_precision=DOT_PREC)) * k_scale
         else:
@@ -155,9 +128,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
-        v = _load_kv_tile(cache_ptr, stride_kv, bt_row, start, hi, d, dmask, kv_head,
-                          stride_blk, stride_off, stride_ch, BLOCK_SIZE, BLOCK_N, D_PAD,
-                          BY_PAGE).to(q.dtype)
+        v = tl.load(cache_ptr + stride_kv + offs, mask=kvmask, other=0.0).to(q.dtype)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new

@@ -9,7 +9,7 @@ import torch
 
 from photon import LLM, SamplingParams
 from photon.attention.torch_ref import TorchReferenceBackend
-from photon.attention.triton_paged import DecodeTuning, TritonPagedBackend, decode_attention
+from photon.attention.triton_paged import TritonPagedBackend
 from tests.quant_util import heldout
 from tests.test_kv_fp8 import _calibrated, _prefix_agreement
 from tests.test_triton_attention import make_case
@@ -34,22 +34,6 @@ def test_triton_fp8_matches_reference_on_the_same_cache(specs: list[tuple[int, i
                                        scales)
     assert torch.equal(ref_cache.view(torch.uint8), tri_cache.view(torch.uint8))
     assert (ref.float() - tri.float()).abs().max().item() < 2e-2
-
-
-@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
-@pytest.mark.parametrize("block_n,stages", [(64, 3), (128, 1), (128, 3)])
-def test_decode_tiles_by_page_equal_tiles_by_position_on_cuda(fp8: bool, block_n: int,
-                                                              stages: int) -> None:
-    case = make_case([(1500, 1), (37, 1), (4000, 1), (16, 1)], 32, 8, 128, 16,
-                     dtype=torch.bfloat16, device="cuda", pad_rows=2)
-    cache, scales = _calibrated(case) if fp8 else (case.cache, None)
-
-    def run(by_page: bool) -> torch.Tensor:
-        tune = DecodeTuning(block_n, 4, stages, fp8, by_page)
-        return decode_attention(case.q, cache, case.meta.block_tables, case.meta.seq_lens,
-                                case.scale, scales, tune)
-
-    assert torch.equal(run(True), run(False))
 
 
 def _greedy(**kw: object) -> list[list[int]]:
