@@ -237,3 +237,20 @@ def test_a_failing_setting_is_reported_and_the_others_run(capsys: pytest.Capture
     assert summary == json.loads(out.strip().splitlines()[-1]) and summary["complete"] is True
     assert [e["setting"] for e in summary["errors"]] == ["draft_model K=1"]
     assert [(c["method"], c["k"]) for c in summary["cells"]] == [(NO_SPEC, 0), ("ngram", 1)]
+
+
+def test_the_warm_up_refills_its_batch() -> None:
+    """2 x B requests, every other one half as long: the short ones finish first and their places
+    are refilled while the others decode, as in a timed cell (the mixed steps warm up too)."""
+    from photon.bench.spec import _warm_up
+
+    class Recorder:
+        def generate(self, prompts: list, params: list, use_tqdm: bool) -> list:
+            self.prompts, self.lengths = prompts, [p.max_tokens for p in params]
+            return []
+
+    llm = Recorder()
+    _warm_up(llm, [[1], [2], [3]], 2, 16)
+    assert llm.prompts == [[1], [2], [3], [1]] and llm.lengths == [16, 8, 16, 8]
+    _warm_up(llm, [[1]], 1, 1)
+    assert llm.lengths == [1, 1]

@@ -4,10 +4,11 @@ For each engine setting (no speculation; each method x K x adaptive off/on) one 
 and reused for every batch size B, smallest first: N x B greedy requests (EOS ignored,
 `--output-len` tokens each, or lengths drawn around it with `--output-len-range-ratio`, the same
 for every setting; N = `--requests-per-slot`) in one `LLM.generate` call with at most B
-running at once, after a warm-up generate of B requests with `--warmup-tokens` tokens. Requests
-finish at different steps when speculating (their acceptance differs); refilling the batch keeps
-it at B, as a server's would be, instead of ending every cell with a tail of a few slow rows. Reusing the engine across B does not change what is
-measured: prefix caching is off (the same prompts return at every B and in the warm-up, and a
+running at once, after a warm-up generate of 2 x B requests (B at a time, `--warmup-tokens`
+tokens and half as many, alternately, so that it refills too). Requests finish at different
+steps when speculating (their acceptance differs); refilling the batch keeps it at B, as a
+server's would be, instead of ending every cell with a tail of a few slow rows. Reusing the
+engine across B does not change what is measured: prefix caching is off (the same prompts return at every B and in the warm-up, and a
 cache hit would skip their prefill), and greedy tokens do not depend on the engine's history. The
 one state that carries over is the adaptive switch's (its measured step times per batch-size
 bucket and running acceptance counts), as in a server that has been running; its warm-up at
@@ -89,7 +90,8 @@ def add_parser(bench_sub: Any) -> None:
                         "place is taken by the next, so the batch stays at B until the last B "
                         "(default 4; 1: one batch of B that ends with its slowest request).")
     g.add_argument("--warmup-tokens", type=int, default=16,
-                   help="Output tokens of each warm-up request (0: no warm-up; default 16).")
+                   help="Output tokens of the longer warm-up requests (0: no warm-up; default "
+                        "16).")
     g.add_argument("--prompt-seed", type=int, default=0,
                    help="Seed of the random prompts (default 0).")
     g.add_argument("--output-json", default=None, metavar="PATH",
@@ -269,12 +271,22 @@ def _generate(llm: Any, prompts: list[list[int]], lengths: list[int]) -> int:
     return sum(len(c.token_ids) for out in outputs for c in out.outputs)
 
 
+def _warm_up(llm: Any, prompts: list[list[int]], b: int, tokens: int) -> None:
+    """2 x B requests, B at a time, every other one half as long: the short ones' places are
+    refilled while the others decode, so the warm-up runs the mixed prefill + decode steps of a
+    timed cell too, and compiles their kernels' variants for this B before the clock starts (a
+    cell with refills would otherwise pay them, the first engine of a run most)."""
+    count = 2 * b
+    _generate(llm, [prompts[i % len(prompts)] for i in range(count)],
+              [tokens if i % 2 == 0 else max(1, tokens // 2) for i in range(count)])
+
+
 def _run_cell(llm: Any, recorder: StepRecorder, setting: SpecSetting,
               prompts: list[list[int]], lengths: list[int], b: int,
               ns: argparse.Namespace) -> Cell:
     llm.engine.scheduler.max_running = b
     if ns.warmup_tokens:
-        _generate(llm, prompts[:b], [ns.warmup_tokens] * b)
+        _warm_up(llm, prompts, b, ns.warmup_tokens)
     recorder.commits.clear()
     before = llm.engine.spec_stats()
     _sync(llm)

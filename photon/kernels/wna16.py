@@ -6,8 +6,8 @@ zero points [N, K / GROUP] (unpacked at load). A weight value is (q - zero) * sc
 float32 and rounded to x's dtype, exactly as the reference path (WNA16Method.dequantized) does.
 
 Two paths, chosen by the number of rows (tokens) M, as vLLM does for its Triton AWQ/GPTQ GEMM:
-- M >= DEQUANT_MIN_TOKENS (prefill): `_wna16_dequant` writes the whole weight once as [N, K] in
-  x's dtype, then cuBLAS multiplies (torch.nn.functional.linear).
+- M >= DEQUANT_MIN_TOKENS (prefill, decode batches past 32 rows): `_wna16_dequant` writes the
+  whole weight once as [N, K] in x's dtype, then cuBLAS multiplies (torch.nn.functional.linear).
 - smaller M (decode): `_wna16_gemm` fuses the two: each program computes a [BLOCK_M, BLOCK_N]
   tile, dequantizing a [BLOCK_K, BLOCK_N] slice of W per step in registers (float32 accumulation),
   so only the packed weight is read. When the tiles alone would leave SMs idle, K is split over
@@ -24,16 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
-# From this many rows on, dequantizing the weight once per call and handing the GEMM to cuBLAS is
-# faster (vLLM's threshold for its Triton AWQ/GPTQ path): the GEMM is then compute-bound, the
-# [N, K] dequantize costs the same as reading about K rows of activations and is amortised over
-# >= 256 rows, and cuBLAS' large tiles beat the fused kernel's. Below it the step is bound by
-# reading the weight, and the fused kernel reads only the packed words (1/4 or 1/2 of bf16's).
-DEQUANT_MIN_TOKENS = 256
 # K is split only for M <= this (one BLOCK_M tile of rows): there the grid is N / BLOCK_N programs
 # and small N (e.g. 1024) would leave most SMs idle; for more rows the float32 partials' traffic
 # would outweigh the gain. It is a BLOCK_M boundary, so splitting adds no other switch point in M.
 SPLIT_K_MAX_TOKENS = 32
+# From this many rows on, dequantizing the weight once per call and handing the GEMM to cuBLAS is
+# faster: past SPLIT_K_MAX_TOKENS the fused kernel's grid is cdiv(M, 64) x N / 128 programs and
+# dequantizes the weight once per row tile, and dequantize + cuBLAS beats it on every layer of
+# both benchmark shapes (`tools/bench_wna16.py`, docs/benchmarks.md). Below it the call is bound
+# by reading the weight, and the fused kernel reads only the packed words (1/4 or 1/2 of bf16's).
+DEQUANT_MIN_TOKENS = SPLIT_K_MAX_TOKENS + 1
 # Each split keeps at least this many BLOCK_K steps (a split of one step is all overhead).
 MIN_K_STEPS_PER_SPLIT = 2
 # The dequantize kernel's tile.
