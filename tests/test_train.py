@@ -22,6 +22,7 @@ from photon.train.evaluate import _run_lengths, agreement
 from photon.train.fit import build_model, fit, load_trained
 from photon.train.loop import MIN_LR_RATIO, FitSettings, lr_at
 from photon.train.presets import PRESETS, count_params, get_preset
+from photon.train.prompts import heldout_prompts
 from photon.train.tokenizer import HELDOUT_FILE, Manifest, load_stream, prepare
 from tests.hf_models import hf_tensor
 
@@ -99,6 +100,24 @@ def test_prepare_is_deterministic_and_holds_out_five_percent(stdlib: Path, data_
     held = load_stream(data_dir, HELDOUT_FILE)
     assert held.dtype == np.uint16 and held.size == m.heldout_tokens
     assert int((held == 0).sum()) == m.num_heldout_files  # one <|endoftext|> per document
+
+
+def test_heldout_prompts_are_prefixes_of_the_prepared_heldout_files(stdlib: Path,
+                                                                   data_dir: str) -> None:
+    """`heldout_prompts` on a `prepare` directory: one prompt per held-out file (manifest
+    order), each a prefix of the file's tokens of a length in the asked bounds."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(data_dir, "tokenizer.json"))
+    files = Manifest.read(data_dir).heldout_files
+    prompts = heldout_prompts(data_dir, count=len(files), min_tokens=8, max_tokens=32)
+    assert [p.file for p in prompts] == files
+    for p in prompts:
+        ids = tok.encode((stdlib / p.file).read_text(encoding="utf-8"),
+                         add_special_tokens=False).ids
+        assert 8 <= len(p.token_ids) <= 32 and p.token_ids == ids[:len(p.token_ids)]
+    with pytest.raises(ValueError, match=f"have 32 tokens; {len(files) + 1} prompts"):
+        heldout_prompts(data_dir, count=len(files) + 1, min_tokens=8, max_tokens=32)
 
 
 def test_tokenizer_has_photon_tiny_specials_and_chat_template(data_dir: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,8 @@ from photon.model.loader import load_model
 from photon.model.tiny import PHOTON_TINY, PHOTON_TINY_DRAFT, builtin_model_path
 from photon.train.corpus import corpus_digest, load_corpus
 from photon.train.presets import get_preset, qwen3_config
-from photon.train.prompts import heldout_prompts, prompts_json
-from photon.train.tokenizer import prepare
+from photon.train.prompts import HeldoutPrompt, cut_prompts, prompts_json
+from photon.train.tokenizer import EOT, encode_files, train_tokenizer
 from tests.hf_models import hf_tensor
 
 PROMPTS_FILE = Path(__file__).parent / "data" / "heldout_code.json"
@@ -38,17 +39,26 @@ def prompts() -> list[list[int]]:
     return [p["token_ids"] for p in json.loads(PROMPTS_FILE.read_text(encoding="utf-8"))]
 
 
+@dataclass(frozen=True)
+class Prepared:
+    directory: str  # the tokenizer files `prepare` writes
+    prompts: list[HeldoutPrompt]  # what `photon.train.prompts` cuts from its held-out stream
+
+
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """`prepare` on this machine's standard library, when it is the corpus the pair was trained
-    on (its hash is the recorded one); otherwise the tests that need it skip."""
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Prepared:
+    """`prepare`'s steps on this machine's standard library, when it is the corpus the pair was
+    trained on (its hash is the recorded one); otherwise the tests that need it skip. Only the
+    held-out stream is encoded: no test here reads the train stream, two thirds of `prepare`'s
+    time (test_train runs `prepare` and `heldout_prompts` whole, on a small corpus)."""
     corpus = load_corpus()
     digest, _ = corpus_digest(corpus.all_files())
     if digest != _record(PHOTON_TINY)["corpus_sha256"]:
         pytest.skip("this Python's standard library is not the corpus photon-tiny was trained on")
     out = str(tmp_path_factory.mktemp("prepared"))
-    prepare(out)
-    return out
+    tokenizer, special = train_tokenizer(corpus, out)
+    heldout = encode_files(tokenizer, corpus.heldout, special[EOT])
+    return Prepared(out, cut_prompts(heldout, special[EOT], [f.path for f in corpus.heldout]))
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +119,12 @@ def test_heldout_perplexity_matches_transformers(prompts: list[list[int]],
 # ---------------------------------------------------------------- the committed files
 
 
-def test_heldout_prompts_are_what_the_script_cuts(prepared: str) -> None:
-    assert prompts_json(heldout_prompts(prepared)) == PROMPTS_FILE.read_text(encoding="utf-8")
+def test_heldout_prompts_are_what_the_script_cuts(prepared: Prepared) -> None:
+    assert prompts_json(prepared.prompts) == PROMPTS_FILE.read_text(encoding="utf-8")
 
 
-def test_tokenizer_is_what_prepare_writes(prepared: str) -> None:
-    made = Path(prepared, "tokenizer.json").read_bytes()
+def test_tokenizer_is_what_prepare_writes(prepared: Prepared) -> None:
+    made = Path(prepared.directory, "tokenizer.json").read_bytes()
     for name, _ in PAIR:
         assert Path(builtin_model_path(name), "tokenizer.json").read_bytes() == made, name
 

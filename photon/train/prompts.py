@@ -4,7 +4,7 @@
 their token ids (`heldout.npy`, each file followed by `<|endoftext|>`). The first `count` files
 with at least `max_tokens` tokens each give one prompt: its first N tokens, N between
 `min_tokens` and `max_tokens` chosen by the sha256 of the file's path. The same prepared data
-always gives the same prompts.
+always gives the same prompts. `cut_prompts` cuts them from a held-out stream in memory.
 
     python -m photon.train.prompts --data DIR --out FILE.json
 """
@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from photon.train.tokenizer import HELDOUT_FILE, Manifest, load_stream
+from photon.train.tokenizer import EOT, HELDOUT_FILE, Manifest, load_stream
 
 NUM_PROMPTS = 20
 MIN_TOKENS = 64
@@ -47,20 +47,33 @@ def _prefix_length(path: str, min_tokens: int, max_tokens: int) -> int:
 def heldout_prompts(data_dir: str, count: int = NUM_PROMPTS, min_tokens: int = MIN_TOKENS,
                     max_tokens: int = MAX_TOKENS) -> list[HeldoutPrompt]:
     """`count` prompts cut from the held-out files of the prepared `data_dir` (see module doc)."""
-    if not 1 <= min_tokens <= max_tokens:
-        raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
+    _check_lengths(min_tokens, max_tokens)
     manifest = Manifest.read(data_dir)
-    runs = _split_files(load_stream(data_dir, HELDOUT_FILE),
-                        manifest.special_tokens["<|endoftext|>"])
-    if len(runs) != len(manifest.heldout_files):
-        raise ValueError(f"{data_dir}: {len(runs)} held-out token runs for "
-                         f"{len(manifest.heldout_files)} held-out files")
+    return cut_prompts(load_stream(data_dir, HELDOUT_FILE), manifest.special_tokens[EOT],
+                       manifest.heldout_files, count, min_tokens, max_tokens, where=data_dir)
+
+
+def cut_prompts(stream: np.ndarray, eot_id: int, files: list[str], count: int = NUM_PROMPTS,
+                min_tokens: int = MIN_TOKENS, max_tokens: int = MAX_TOKENS,
+                where: str = "the held-out stream") -> list[HeldoutPrompt]:
+    """`count` prompts cut from a held-out token stream (`files`: its files' paths, in stream
+    order; see module doc). `where` names the stream in errors."""
+    _check_lengths(min_tokens, max_tokens)
+    runs = _split_files(stream, eot_id)
+    if len(runs) != len(files):
+        raise ValueError(f"{where}: {len(runs)} held-out token runs for {len(files)} held-out "
+                         f"files")
     prompts = [HeldoutPrompt(path, ids[:_prefix_length(path, min_tokens, max_tokens)].tolist())
-               for path, ids in zip(manifest.heldout_files, runs) if len(ids) >= max_tokens]
+               for path, ids in zip(files, runs) if len(ids) >= max_tokens]
     if len(prompts) < count:
-        raise ValueError(f"{data_dir}: only {len(prompts)} held-out files have {max_tokens} "
+        raise ValueError(f"{where}: only {len(prompts)} held-out files have {max_tokens} "
                          f"tokens; {count} prompts were asked for")
     return prompts[:count]
+
+
+def _check_lengths(min_tokens: int, max_tokens: int) -> None:
+    if not 1 <= min_tokens <= max_tokens:
+        raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
 
 
 def prompts_json(prompts: list[HeldoutPrompt]) -> str:

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,17 @@ class Manifest:
             return cls(**json.load(f))
 
 
-def _encode(tokenizer: object, files: list[SourceFile], eot_id: int) -> np.ndarray:
+def train_tokenizer(corpus: Corpus, out_dir: str,
+                    vocab_size: int = DEFAULT_VOCAB_SIZE) -> tuple[Any, dict[str, int]]:
+    """The BPE trained on the corpus's train split, its two files written into `out_dir`; and
+    the special tokens' ids."""
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size, (f.text for f in corpus.train))
+    return tokenizer, write_tokenizer_files(tokenizer, out_dir)
+
+
+def encode_files(tokenizer: Any, files: list[SourceFile], eot_id: int) -> np.ndarray:
+    """The files' token ids as one stream, each file followed by `eot_id`."""
     encodings = tokenizer.encode_batch([f.text for f in files], add_special_tokens=False)
     ids: list[int] = []
     for enc in encodings:
@@ -77,11 +88,9 @@ def prepare(out_dir: str, vocab_size: int = DEFAULT_VOCAB_SIZE,
         raise ValueError(f"--vocab-size must be in [260, 65535] (uint16 token streams), "
                          f"got {vocab_size}")
     corpus = load_corpus(stdlib)
-    os.makedirs(out_dir, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size, (f.text for f in corpus.train))
-    special = write_tokenizer_files(tokenizer, out_dir)
-    train = _encode(tokenizer, corpus.train, special[EOT])
-    heldout = _encode(tokenizer, corpus.heldout, special[EOT])
+    tokenizer, special = train_tokenizer(corpus, out_dir, vocab_size)
+    train = encode_files(tokenizer, corpus.train, special[EOT])
+    heldout = encode_files(tokenizer, corpus.heldout, special[EOT])
     manifest = _manifest(out_dir, corpus, tokenizer.get_vocab_size(with_added_tokens=True),
                          special, train, heldout)
     write_json(out_dir, MANIFEST_FILE, asdict(manifest))
