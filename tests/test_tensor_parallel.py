@@ -67,19 +67,16 @@ def test_killed_worker_ends_the_engine(tmp_path) -> None:
     assert not worker.is_alive()
 
 
-def test_workers_exit_on_shutdown(tmp_path) -> None:
-    path = make_engine_model(str(tmp_path / "m"), "LlamaForCausalLM")
-    with engine(tp_config(path, 2)) as core:
-        procs = list(core.workers.procs)
-    assert [p.exitcode for p in procs] == [0]
-
-
-def test_structured_outputs_refused_under_tp(tmp_path) -> None:
+def test_structured_outputs_refused_under_tp_and_workers_exit_on_shutdown(tmp_path) -> None:
+    """One TP=2 engine (a start of its worker) for both: a grammar request is refused, and the
+    worker exits cleanly on shutdown."""
     path = make_engine_model(str(tmp_path / "m"), "LlamaForCausalLM")
     with engine(tp_config(path, 2)) as core:
         params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
         with pytest.raises(ValueError, match="tensor_parallel_size"):
             core.add_request([1, 2], params)
+        procs = list(core.workers.procs)
+    assert [p.exitcode for p in procs] == [0]
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
