@@ -55,3 +55,28 @@ def test_bench_bubble_cpu_defaults_and_progress(capsys: pytest.CaptureFixture[st
 def test_bench_profile_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "profile", "--model-shape", "tiny"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_profile_refills_make_mixed_steps() -> None:
+    """The refills `photon bench profile --refills-per-step` adds are prefilled by the next step
+    beside the running decode rows."""
+    from photon import LLM, SamplingParams
+    from photon.bench.profile import add_refills
+
+    llm = LLM("photon-tiny", device="cpu", max_num_seqs=8)
+    try:
+        core = llm.engine
+        core.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6,
+                                                   ignore_eos=True))
+        while not any(r.output_token_ids for r in core.scheduler.running):
+            core.step()
+        add_refills(core, 2, 9, 3, seed=0)
+        assert len(core.scheduler.waiting) == 2
+        core.step()
+        running = core.scheduler.running
+        assert not core.scheduler.waiting and len(running) == 3
+        assert sorted(r.num_prompt_tokens for r in running) == [3, 9, 9]
+        while core.scheduler.has_unfinished():
+            core.step()
+    finally:
+        llm.engine.shutdown()

@@ -2,13 +2,16 @@
 
 B requests are prefilled to a given context, then N decode steps run under torch.profiler. Each GPU
 kernel is put in a class by its name (attention, gemm, sampling, elementwise); idle is the wall time
-not covered by any kernel. Prints one JSON object.
+not covered by any kernel. With `--refills-per-step R`, R new requests of `--refill-prompt-len`
+tokens arrive before each profiled step, so every step is a mixed one (the decode rows beside
+prefill chunks), as in a server whose finished requests are replaced. Prints one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 import tempfile
 import time
@@ -19,6 +22,7 @@ import torch
 
 from photon.bench.bubble import _start_batch, decode_len_needed
 from photon.bench.cli import add_model_source_args, bench_engine_args, gpu_info
+from photon.sampling_params import SamplingParams
 
 KERNEL_CLASSES: list[tuple[str, re.Pattern[str]]] = [
     ("attention", re.compile(r"attn|attention|flash|paged|fmha|sdpa|_decode|_prefill|kv_write",
@@ -50,6 +54,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy sampling.")
     p.add_argument("--output-mode", choices=("final", "delta"), default="final",
                    help="final: outputs only at the end (offline); delta: streamed every step.")
+    p.add_argument("--refills-per-step", type=int, default=0, metavar="R",
+                   help="New requests added before each profiled step (default 0: decode steps "
+                        "only).")
+    p.add_argument("--refill-prompt-len", type=int, default=128,
+                   help="Prompt tokens of each refill request (default 128).")
     from photon.cli import add_engine_args
 
     add_engine_args(p)
@@ -78,6 +87,16 @@ def _breakdown(prof: torch.profiler.profile, wall_s: float, steps: int) -> dict[
             "top_kernels_ms_per_step": {k[:90]: v / 1e3 / steps for k, v in heaviest}}
 
 
+def add_refills(core: Any, count: int, prompt_len: int, max_tokens: int, seed: int) -> None:
+    """`count` greedy requests of `prompt_len` random tokens and `max_tokens` output tokens (EOS
+    ignored): the next step prefills them beside the decode rows."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        prompt = [rng.randrange(3, 1000) for _ in range(prompt_len)]
+        core.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                ignore_eos=True))
+
+
 def run_profile(ns: argparse.Namespace) -> int:
     from photon.llm import LLM
 
@@ -85,9 +104,13 @@ def run_profile(ns: argparse.Namespace) -> int:
         raise ValueError("photon bench profile needs a CUDA GPU (it reads CUDA kernel times)")
     if ns.model is None and ns.model_shape is None:
         ns.model_shape = "qwen3-0.6b"
+    if ns.refills_per_step < 0 or ns.refill_prompt_len < 1:
+        raise ValueError("--refills-per-step must be >= 0 and --refill-prompt-len >= 1, got "
+                         f"{ns.refills_per_step}, {ns.refill_prompt_len}")
     if ns.max_model_len is None:
-        ns.max_model_len = decode_len_needed(ns, ns.batch_size)
-    ns.max_num_seqs = max(ns.max_num_seqs, ns.batch_size)
+        ns.max_model_len = max(decode_len_needed(ns, ns.batch_size),
+                               ns.refill_prompt_len + ns.steps + 1)
+    ns.max_num_seqs = max(ns.max_num_seqs, ns.batch_size + ns.refills_per_step * ns.steps)
     with tempfile.TemporaryDirectory() as tmp:
         args = bench_engine_args(ns, tmp)
         llm = LLM(**asdict(args))
@@ -97,12 +120,15 @@ def run_profile(ns: argparse.Namespace) -> int:
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         t0 = time.perf_counter()
-        for _ in range(ns.steps):
+        for step in range(ns.steps):
+            add_refills(core, ns.refills_per_step, ns.refill_prompt_len, ns.steps - step + 1,
+                        step)
             core.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     result = {"benchmark": "profile", "model_shape": ns.model_shape, "batch_size": ns.batch_size,
-              "context": ns.prompt_len, "pipelined": args.pipelined,
+              "context": ns.prompt_len, "refills_per_step": ns.refills_per_step,
+              "refill_prompt_len": ns.refill_prompt_len, "pipelined": args.pipelined,
               "attention_backend": core.runner.backend.name, **_breakdown(prof, wall, ns.steps),
               **gpu_info("cuda")}
     print(json.dumps(result))
