@@ -51,6 +51,11 @@ class HostStep:
     spec_k: int = 0  # K_eff of the step's speculative rows (all verify as many drafts)
 
     @property
+    def only_spec(self) -> bool:
+        """Every sampling row belongs to a speculative row (a speculative decode step)."""
+        return self.widths is not None and len(self.inputs.spec_rows) == len(self.sample_rows)
+
+    @property
     def num_virtual(self) -> int:
         """Sampling rows in all: the sampler's batch (one per query position of speculative
         rows)."""

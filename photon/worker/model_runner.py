@@ -383,7 +383,7 @@ class ModelRunner:
                                           out.topk_logprobs)
         else:
             tokens, raw = self.spec.sample(self.sampler, h.logits, batch, h.dev, self.token_pool,
-                                           h.host.spec_k)
+                                           h.host.spec_k, h.host.only_spec)
             lps = token_logprobs(raw, tokens.clamp(min=0), k) if raw is not None else None
         rows = h.host.num_virtual
         views = h.slot.output_views(rows, max(k, 0))

@@ -92,19 +92,27 @@ class SpecDecoder:
 
     # ---- sample ---------------------------------------------------------------------------
     def sample(self, sampler: Sampler, logits: Tensor, batch: SamplingBatch,
-               dev: StepInputs[Tensor], pool: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
+               dev: StepInputs[Tensor], pool: Tensor, k: int,
+               only_spec: bool = False) -> tuple[Tensor, Tensor | None]:
         """([R] tokens, raw log-softmax or None) of every sampling row: plain rows draw, the
         K + 1 rows of a speculative row hold its verified tokens, then -1 up to its last draft's
-        position and NO_DRAFT past it."""
+        position and NO_DRAFT past it. `only_spec` (the host knows it): every sampling row is a
+        speculative row's, in row order, so the scores are verified in place and nothing draws
+        (the draw and the copy of the scores would cost a pass over [R, V] each)."""
         raw, scores, owned = sampler.process(logits, batch, overwrite=True)
-        v = self._vrows(dev, k)
         num_spec = dev.spec_rows.shape[0]
-        spec_scores = scores[v]  # a copy: draw may mask scores
         mask = batch.token_bitmask
-        if mask is not None:  # grammar rows verify on the masked distribution at every position
-            sampler.apply_mask(spec_scores, TokenMask(mask.bits[v], mask.tail[v]))
+        if only_spec:
+            v, spec_scores, tokens = None, scores, None
+            if mask is not None:
+                sampler.apply_mask(spec_scores, mask)
+        else:
+            v = self._vrows(dev, k)
+            spec_scores = scores[v]  # a copy: draw may mask scores
+            if mask is not None:  # grammar rows verify on the masked distribution everywhere
+                sampler.apply_mask(spec_scores, TokenMask(mask.bits[v], mask.tail[v]))
+            tokens = sampler.draw(scores, batch, owned)
         spec_scores = spec_scores.view(num_spec, k + 1, -1)
-        tokens = sampler.draw(scores, batch, owned)
         req = dev.spec_reqs
         d = self.dev_len[req]
         drafts = pool.view(-1)[req[:, None] * self.pool_width
@@ -119,7 +127,10 @@ class SpecDecoder:
         # Positions past the row's drafts (never emitted) carry NO_DRAFT instead of -1: the
         # commit counts the row's drafts from the one download it already makes.
         no_draft = self._j[None, :k + 1] > num_draft[:, None]
-        tokens[v] = torch.where(no_draft, NO_DRAFT, out.tokens).reshape(-1)
+        verified = torch.where(no_draft, NO_DRAFT, out.tokens).reshape(-1)
+        if tokens is None:
+            return verified, raw
+        tokens[v] = verified
         return tokens, raw
 
     def advance_plain(self, dev: StepInputs[Tensor]) -> None:
