@@ -91,6 +91,12 @@ def main() -> None:
     config, clients = pickle.load(sys.stdin.buffer)
     sys.stdin.close()
     run_engine_core(config, clients)
+    # Stopped cleanly (the engine, its grammar worker and sockets are shut down): leave without
+    # the interpreter's teardown of torch and the rest, most of a second that the front end's
+    # shutdown would wait for. A failure raised above still exits through it, with its traceback.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_engine_core(config: EngineConfig, clients: list[ClientAddresses]) -> None:
