@@ -8,11 +8,11 @@ running at once, after a warm-up generate of 2 x B requests (B at a time, `--war
 tokens and half as many, alternately, so that it refills too). Requests finish at different
 steps when speculating (their acceptance differs); refilling the batch keeps it at B, as a
 server's would be, instead of ending every cell with a tail of a few slow rows. Reusing the
-engine across B does not change what is measured: prefix caching is off (the same prompts return at every B and in the warm-up, and a
-cache hit would skip their prefill), and greedy tokens do not depend on the engine's history. The
-one state that carries over is the adaptive switch's (its measured step times per batch-size
-bucket and running acceptance counts), as in a server that has been running; its warm-up at
-each B lets it measure that B.
+engine across B does not change what is measured: prefix caching is off (the same prompts
+return at every B and in the warm-up, and a cache hit would skip their prefill), and greedy
+tokens do not depend on the engine's history. The one state that carries over is the adaptive
+switch's (its measured step times per batch-size bucket and running acceptance counts), as in a
+server that has been running; its warm-up at each B lets it measure that B.
 
 Each cell reports output tokens/s (output tokens / wall time of the generate call, prefill
 included), the speculative counters of the timed call (mean acceptance length, per-position
