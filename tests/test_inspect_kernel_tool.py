@@ -27,7 +27,9 @@ def test_the_fp8_decode_kernel_reads_back_with_tensor_core_and_fp8_conversions(
                          capture_output=True, text=True, env=env, timeout=150)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out["kernel"] == "decode" and out["cache"] == "fp8" and out["block_n"] == 128
+    const = out["constexprs"]
+    assert out["kernel"] == "decode" and const["BLOCK_N"] == 128
+    assert const["FP8"] is True and const["FP8_F16"] is True
     assert 32 <= out["registers"] <= 255 and out["spill_store_bytes"] == 0
     assert out["shared_bytes"] > 0 and out["sass_instructions"] > 100
     ops = out["opcodes"]

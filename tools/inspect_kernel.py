@@ -2,6 +2,7 @@
 
 Usage: python tools/inspect_kernel.py decode [--cache fp8] [--block-n 128] [--num-warps 4]
            [--num-stages 3] [--fp8-f16] [--sass-out FILE]
+       python tools/inspect_kernel.py wna16 [--rows 16]
 
 Compiles one launch of a photon kernel for CUDA compute capability 9.0 on any machine (Triton
 compiles for an explicit target; no driver is needed), assembles its PTX with the ptxas that
@@ -10,7 +11,8 @@ the number of SASS instructions and the most frequent opcodes (`cuobjdump -sass`
 variant's instruction mix and register count can so be compared before device time is spent.
 Triton's newest PTX may be newer than a bundled ptxas accepts; its `.version` line is then set
 to the newest that ptxas knows. Kernels are in KERNELS (decode: the split-K decode attention
-kernel at the Llama-3.1-8B head layout, 32 query / 8 KV heads, D = 128, 16-token pages).
+kernel at the Llama-3.1-8B head layout, 32 query / 8 KV heads, D = 128, 16-token pages; wna16:
+the fused W4A16 GEMM at that shape's qkv projection).
 """
 
 from __future__ import annotations
@@ -57,7 +59,23 @@ def decode_launch(ns: argparse.Namespace) -> Launch:
     return Launch(_decode_split_kernel, {**ptr, **ints}, const, ns.num_warps, ns.num_stages)
 
 
-KERNELS = {"decode": decode_launch}
+def wna16_launch(ns: argparse.Namespace) -> Launch:
+    """The fused W4A16 GEMM (photon/kernels/wna16.py) at the Llama-3.1-8B qkv projection
+    (N 6144, K 4096, group 128, no zero points), at the tile `gemm_tiles(--rows)` picks."""
+    from photon.kernels.wna16 import _wna16_gemm, gemm_tiles
+
+    tiles = gemm_tiles(ns.rows)
+    n, k = 6144, 4096
+    args = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*fp32",
+            "out_ptr": "*bf16", "M": ns.rows, "N": n, "K": k, "K_PER_SPLIT": k // 2,
+            "stride_xm": k, "stride_wn": k // 8, "stride_sn": k // 128, "stride_zn": k // 128,
+            "stride_os": ns.rows * n, "stride_om": n}
+    const = {"BITS": 4, "GROUP": 128, "HAS_ZP": False, "BLOCK_M": tiles.block_m,
+             "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k}
+    return Launch(_wna16_gemm, args, const, tiles.num_warps, ns.num_stages)
+
+
+KERNELS = {"decode": decode_launch, "wna16": wna16_launch}
 
 
 def _arg_type(value: str | int | float) -> str:
@@ -135,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, default=3)
     p.add_argument("--fp8-f16", action="store_true", help="FP8 tiles as float16 (DecodeTuning)")
+    p.add_argument("--rows", type=int, default=16, help="wna16: the GEMM's M (picks the tile)")
     p.add_argument("--sass-out", default=None, help="Also write the whole SASS listing here.")
     ns = p.parse_args(argv)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said aloud
@@ -147,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.sass_out:
         with open(ns.sass_out, "w") as f:
             f.write(sass)
-    print(json.dumps({"kernel": ns.kernel, **{k: v for k, v in vars(ns).items()
-                                              if k not in ("kernel", "sass_out")},
+    print(json.dumps({"kernel": ns.kernel, "num_warps": launch.num_warps,
+                      "num_stages": launch.num_stages, "constexprs": launch.constexprs,
                       **summarize(report, sass, shared)}))
     return 0
 
