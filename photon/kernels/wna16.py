@@ -75,8 +75,12 @@ def _dequant_tile(w_ptr, s_ptr, z_ptr, rn, k0, N, K, stride_wn, stride_sn, strid
     if PACK == 8:
         words = tl.interleave(words, words)
     kk = k0 + tl.arange(0, BLOCK_K)
-    q = (words >> ((kk[None, :] % PACK) * BITS)) & ((1 << BITS) - 1)
-    q = q - (1 << (BITS - 1))
+    # The stored value u (0 <= u < 2^BITS) as float32 without a conversion instruction: the
+    # bits 0x4B000000 | u are the float 2^23 + u, and subtracting 2^23 + the offset (and the
+    # zero point) leaves u - 2^(BITS-1) - zero exactly (all integers below 2^24).
+    u = (words >> ((kk[None, :] % PACK) * BITS)) & ((1 << BITS) - 1)
+    f = (u | 0x4B000000).to(tl.float32, bitcast=True)
+    bias = 8388608.0 + (1 << (BITS - 1))
     mask = (rn[:, None] < N) & (kk[None, :] < K)
     if GROUP % BLOCK_K == 0:
         # The tile lies in one group (and K, a multiple of GROUP, has no partial tile): one
@@ -86,14 +90,14 @@ def _dequant_tile(w_ptr, s_ptr, z_ptr, rn, k0, N, K, stride_wn, stride_sn, strid
         scale = tl.load(s_ptr + rn[:, None] * stride_sn + group, mask=n_mask, other=0.0)
         if HAS_ZP:
             zero = tl.load(z_ptr + rn[:, None] * stride_zn + group, mask=n_mask, other=0)
-            q = q - zero.to(tl.int32)
+            bias = bias + zero.to(tl.float32)
     else:
         group = kk[None, :] // GROUP
         scale = tl.load(s_ptr + rn[:, None] * stride_sn + group, mask=mask, other=0.0)
         if HAS_ZP:
             zero = tl.load(z_ptr + rn[:, None] * stride_zn + group, mask=mask, other=0)
-            q = q - zero.to(tl.int32)
-    return q.to(tl.float32) * scale
+            bias = bias + zero.to(tl.float32)
+    return (f - bias) * scale
 
 
 @triton.jit
