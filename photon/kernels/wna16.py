@@ -59,27 +59,45 @@ def gemm_tiles(m: int) -> GemmTiles:
 
 
 @triton.jit
+def _value_bits(words, j: tl.constexpr, BITS: tl.constexpr):
+    """Value j of each word, in the low bits of the float 2^23 (see _dequant_tile)."""
+    return ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
+
+
+@triton.jit
+def _unpack(words, BITS: tl.constexpr, PACK: tl.constexpr):
+    """[.., W] words -> [.., W, 2, 2(, 2)] values by constant shifts; value j of word w lands
+    at flat index j (the last joined axis is j's lowest bit), so a reshape gives k order."""
+    if PACK == 4:
+        out = tl.join(tl.join(_value_bits(words, 0, BITS), _value_bits(words, 2, BITS)),
+                      tl.join(_value_bits(words, 1, BITS), _value_bits(words, 3, BITS)))
+    else:
+        even = tl.join(tl.join(_value_bits(words, 0, BITS), _value_bits(words, 4, BITS)),
+                       tl.join(_value_bits(words, 2, BITS), _value_bits(words, 6, BITS)))
+        odd = tl.join(tl.join(_value_bits(words, 1, BITS), _value_bits(words, 5, BITS)),
+                      tl.join(_value_bits(words, 3, BITS), _value_bits(words, 7, BITS)))
+        out = tl.join(even, odd)
+    return out
+
+
+@triton.jit
 def _dequant_tile(w_ptr, s_ptr, z_ptr, rn, k0, N, K, stride_wn, stride_sn, stride_zn,
                   BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """W[rn, k0:k0 + BLOCK_K] as float32 [BLOCK_N, BLOCK_K] (k0 < K a multiple of BLOCK_K, which is
-    a multiple of PACK). The words are loaded once each, contiguous along K, then repeated PACK
-    times with interleaves so value j of word w lands at k = w * PACK + j."""
+    a multiple of PACK). The words are loaded once each, contiguous along K, and unpacked by
+    constant shifts (`_unpack`) so that value j of word w lands at k = w * PACK + j."""
     PACK: tl.constexpr = 32 // BITS
     tl.static_assert(PACK == 4 or PACK == 8, "4-bit or 8-bit weights only")
     rw = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
     w_mask = (rn[:, None] < N) & (rw[None, :] < K // PACK)
     words = tl.load(w_ptr + rn[:, None] * stride_wn + rw[None, :], mask=w_mask, other=0)
-    words = tl.interleave(words, words)
-    words = tl.interleave(words, words)
-    if PACK == 8:
-        words = tl.interleave(words, words)
     kk = k0 + tl.arange(0, BLOCK_K)
     # The stored value u (0 <= u < 2^BITS) as float32 without a conversion instruction: the
     # bits 0x4B000000 | u are the float 2^23 + u, and subtracting 2^23 + the offset (and the
     # zero point) leaves u - 2^(BITS-1) - zero exactly (all integers below 2^24).
-    u = (words >> ((kk[None, :] % PACK) * BITS)) & ((1 << BITS) - 1)
-    f = (u | 0x4B000000).to(tl.float32, bitcast=True)
+    f = _unpack(words, BITS, PACK).to(tl.float32, bitcast=True)
+    f = tl.reshape(f, [BLOCK_N, BLOCK_K])
     bias = 8388608.0 + (1 << (BITS - 1))
     mask = (rn[:, None] < N) & (kk[None, :] < K)
     if GROUP % BLOCK_K == 0:
