@@ -533,3 +533,32 @@ def test_acceptance_from_a_live_speculative_server(capsys: pytest.CaptureFixture
         1 + accepted / first["spec_decode_num_drafts"])
     assert first["spec_acceptance_rate_per_pos"] == pytest.approx(
         [accepted / first["spec_decode_num_drafts"]])
+
+
+def test_counters_are_read_once_they_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's closing read waits until two reads agree: counts the server adds after the
+    last response (steps still in flight then) stay in this run's window."""
+    import asyncio
+
+    from photon.bench import serve_spec
+    from photon.spec.stats import SpecDecodingStats
+
+    reads = [SpecDecodingStats(3, 3, 1, [1]), SpecDecodingStats(4, 4, 2, [2]),
+             SpecDecodingStats(4, 4, 2, [2]), SpecDecodingStats(9, 9, 9, [9])]
+    calls = []
+
+    async def fake(cfg: object) -> SpecDecodingStats:
+        calls.append(cfg)
+        return reads[len(calls) - 1]
+
+    monkeypatch.setattr(serve_spec, "fetch_spec_counters", fake)
+    got = asyncio.run(serve_spec.fetch_settled_spec_counters("cfg", interval_s=0.0))
+    assert got == SpecDecodingStats(4, 4, 2, [2]) and len(calls) == 3
+
+    async def none(cfg: object) -> None:
+        calls.append(cfg)
+
+    calls.clear()
+    monkeypatch.setattr(serve_spec, "fetch_spec_counters", none)
+    assert asyncio.run(serve_spec.fetch_settled_spec_counters("cfg", interval_s=0.0)) is None
+    assert len(calls) == 1  # no counters (no speculation): no second read

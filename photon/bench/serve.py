@@ -279,13 +279,17 @@ def _loads(ns: argparse.Namespace) -> list[tuple[float, int | None]]:
 def _run_point(ns: argparse.Namespace, cfg: Any, specs: list[Any], rate: float,
                conc: int | None, slos: dict[str, float]) -> dict[str, Any]:
     from photon.bench.serve_client import run_requests
-    from photon.bench.serve_spec import fetch_spec_counters, spec_delta_fields
+    from photon.bench.serve_spec import (
+        fetch_settled_spec_counters,
+        fetch_spec_counters,
+        spec_delta_fields,
+    )
 
     _log(f"run: request rate {rate}, burstiness {ns.burstiness}, max concurrency {conc}")
     offsets = arrival_offsets(len(specs), rate, ns.burstiness, ns.seed)
     spec_before = asyncio.run(fetch_spec_counters(cfg))
     records, duration = asyncio.run(run_requests(cfg, specs, offsets, conc))
-    spec = spec_delta_fields(spec_before, asyncio.run(fetch_spec_counters(cfg)))
+    spec = spec_delta_fields(spec_before, asyncio.run(fetch_settled_spec_counters(cfg)))
     metrics = aggregate(records, duration, slos)
     summary = {"benchmark": "serve", **metrics, **spec,
                **cost_fields(ns.gpu_cost_per_hour, ns.num_gpus, metrics["output_throughput"]),

@@ -9,6 +9,7 @@ names and vLLM's `vllm:` ones; series of every label set are summed). A server w
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
@@ -56,6 +57,24 @@ def spec_delta_fields(before: SpecDecodingStats | None,
         return acceptance_summary(None)
     n = max(len(before.num_accepted_tokens_per_pos), len(after.num_accepted_tokens_per_pos))
     return acceptance_summary(_padded(after, n).since(_padded(before, n)))
+
+
+async def fetch_settled_spec_counters(cfg: Any, interval_s: float = 0.1,
+                                      tries: int = 30) -> SpecDecodingStats | None:
+    """The counters once two reads `interval_s` apart agree (at most `tries` reads). A run's
+    last responses can end before the server commits the steps still in flight for them (rows
+    of finished requests, whose drafts it counts too); read at once, those counts would land in
+    the next run's window."""
+    last = await fetch_spec_counters(cfg)
+    for _ in range(tries - 1):
+        if last is None:
+            return None
+        await asyncio.sleep(interval_s)
+        now = await fetch_spec_counters(cfg)
+        if now == last:
+            return now
+        last = now
+    return last
 
 
 async def fetch_spec_counters(cfg: Any) -> SpecDecodingStats | None:
