@@ -8,7 +8,7 @@ Compiles one launch of a photon kernel for CUDA compute capability 9.0 on any ma
 compiles for an explicit target; no driver is needed), assembles its PTX with the ptxas that
 ships with Triton, and prints one JSON line: registers per thread, spilled bytes, shared memory,
 the number of SASS instructions and the most frequent opcodes (`cuobjdump -sass`). A kernel
-variant's instruction mix and register count can so be compared before device time is spent.
+variant's instruction mix and register count can so be compared before it runs on a GPU.
 Triton's newest PTX may be newer than a bundled ptxas accepts; its `.version` line is then set
 to the newest that ptxas knows. Kernels are in KERNELS (decode: the split-K decode attention
 kernel at the Llama-3.1-8B head layout, 32 query / 8 KV heads, D = 128, 16-token pages; wna16:
