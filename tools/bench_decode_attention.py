@@ -23,7 +23,7 @@ import torch
 
 from photon.attention.kv_quant import LayerKVScales
 from photon.attention.triton_paged import DecodeTuning, decode_attention
-from photon.bench.roofline import measure_hbm_bandwidth, median_cuda_ms
+from photon.bench.roofline import measure_hbm_bandwidth, median_graph_ms
 from photon.quant.numerics import FP8_DTYPE
 
 LAYOUTS = {"qwen3-0.6b": (16, 8), "llama-3.1-8b": (32, 8)}
@@ -59,15 +59,10 @@ def sweep(cache_dtype: str) -> list[DecodeTuning]:
 
 
 def _time(fn: Any, runs: int, launches: int = 20) -> float:
-    """Milliseconds per launch: median over `runs` replays of a graph of `launches` launches."""
+    """Milliseconds per launch (photon.bench.roofline.median_graph_ms); NaN when the launch does
+    not fit the GPU."""
     try:
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(launches):
-                fn()
-        return median_cuda_ms(graph.replay, runs) / launches
+        return median_graph_ms(fn, runs, launches)
     except Exception as exc:  # out of shared memory or registers for this launch
         print(f"skipped: {exc.__class__.__name__}: {str(exc)[:120]}", file=sys.stderr)
         return float("nan")

@@ -17,11 +17,10 @@ import argparse
 import functools
 import json
 import sys
-from typing import Any
 
 import torch
 
-from photon.bench.roofline import median_cuda_ms
+from photon.bench.roofline import median_graph_ms
 from photon.kernels.wna16 import wna16_gemm
 
 GROUP = 128
@@ -31,17 +30,6 @@ LAYERS = {  # (N, K) per linear layer
     "llama-3.1-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
                      "down": (4096, 14336)},
 }
-
-
-def _time(fn: Any, runs: int, calls: int = 10) -> float:
-    """Milliseconds per call: median over `runs` replays of a graph of `calls` calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return median_cuda_ms(graph.replay, runs) / calls
 
 
 def bench_layer(n: int, k: int, rows: list[int], bits: int, runs: int,
@@ -55,9 +43,9 @@ def bench_layer(n: int, k: int, rows: list[int], bits: int, runs: int,
     for m in rows:
         x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
         gemm = functools.partial(wna16_gemm, x, packed, scale, None, bits, GROUP)
-        fused = _time(functools.partial(gemm, dequant_min_tokens=m + 1), runs)
-        dequant = _time(functools.partial(gemm, dequant_min_tokens=0), runs)
-        bf16 = _time(functools.partial(torch.nn.functional.linear, x, w), runs)
+        fused = median_graph_ms(functools.partial(gemm, dequant_min_tokens=m + 1), runs)
+        dequant = median_graph_ms(functools.partial(gemm, dequant_min_tokens=0), runs)
+        bf16 = median_graph_ms(functools.partial(torch.nn.functional.linear, x, w), runs)
         out.append({"n": n, "k": k, "m": m, "bits": bits, "fused_us": fused * 1e3,
                     "dequant_us": dequant * 1e3, "bf16_us": bf16 * 1e3,
                     "faster": "fused" if fused < dequant else "dequant"})
