@@ -4,7 +4,9 @@ B requests are prefilled to a given context, then N decode steps run under torch
 kernel is put in a class by its name (attention, gemm, sampling, elementwise); idle is the wall time
 not covered by any kernel. With `--refills-per-step R`, R new requests of `--refill-prompt-len`
 tokens arrive before each profiled step, so every step is a mixed one (the decode rows beside
-prefill chunks), as in a server whose finished requests are replaced. Prints one JSON object.
+prefill chunks), as in a server whose finished requests are replaced; the warm-up steps refill too,
+so that the mixed steps' kernel variants are compiled before profiling. Prints one JSON object
+(GPU time by kernel class and the heaviest kernels and host ops per step).
 """
 
 from __future__ import annotations
@@ -81,10 +83,13 @@ def _breakdown(prof: torch.profiler.profile, wall_s: float, steps: int) -> dict[
     per_step = {k: v / 1e3 / steps for k, v in totals.items()}
     per_step["idle"] = max(wall_ms - busy_ms, 0.0) / steps
     heaviest = sorted(top.items(), key=lambda kv: -kv[1])[:12]
+    host = sorted(((e.key, e.self_cpu_time_total) for e in prof.key_averages()),
+                  key=lambda kv: -kv[1])[:12]
     return {"ms_per_step": per_step, "wall_ms_per_step": wall_ms / steps,
             "fraction": {k: v / (wall_ms / steps) for k, v in per_step.items()},
             "kernels_per_step": launches / steps,
-            "top_kernels_ms_per_step": {k[:90]: v / 1e3 / steps for k, v in heaviest}}
+            "top_kernels_ms_per_step": {k[:90]: v / 1e3 / steps for k, v in heaviest},
+            "top_host_ops_self_ms_per_step": {k[:90]: v / 1e3 / steps for k, v in host}}
 
 
 def add_refills(core: Any, count: int, prompt_len: int, max_tokens: int, seed: int) -> None:
@@ -110,12 +115,17 @@ def run_profile(ns: argparse.Namespace) -> int:
     if ns.max_model_len is None:
         ns.max_model_len = max(decode_len_needed(ns, ns.batch_size),
                                ns.refill_prompt_len + ns.steps + 1)
-    ns.max_num_seqs = max(ns.max_num_seqs, ns.batch_size + ns.refills_per_step * ns.steps)
+    ns.max_num_seqs = max(ns.max_num_seqs, ns.batch_size
+                         + ns.refills_per_step * (ns.steps + ns.warmup_steps))
     with tempfile.TemporaryDirectory() as tmp:
         args = bench_engine_args(ns, tmp)
         llm = LLM(**asdict(args))
     core = llm.engine
     _start_batch(core, ns.batch_size, ns)
+    for step in range(ns.warmup_steps if ns.refills_per_step else 0):
+        # Mixed steps compile their own kernel variants: keep that out of the profiled steps.
+        add_refills(core, ns.refills_per_step, ns.refill_prompt_len, 2, -1 - step)
+        core.step()
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
