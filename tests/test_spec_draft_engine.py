@@ -221,3 +221,17 @@ def test_a_draft_with_a_shorter_context_is_refused(pair: tuple[str, str], tmp_pa
         _args(target, short, max_model_len=128).create_config()
     with pytest.raises(ConfigError, match="draft model '/nonexistent/draft'.*does not exist"):
         _args(target, "/nonexistent/draft").create_config()
+
+
+def test_an_index_released_by_a_preemption_is_reused_in_the_same_plan() -> None:
+    """A request preempted while planning, with no step in flight, releases its index at once
+    and admission may hand the index to a new request in the same plan: the runner drops the
+    old occupant first (before this was fixed, the new request failed with "request index ...
+    is already in use" on this workload)."""
+    kw = dict(block_size=4, max_num_batched_tokens=24, max_num_seqs=6, num_gpu_blocks_override=40)
+    specs = _mixed_specs(500)
+    (pipelined, audit), (blocking, audit_b) = [
+        run(_llm(TARGET, DRAFT, 3, p, **kw), specs) for p in (True, False)]
+    assert pipelined == blocking
+    assert audit.schedule == audit_b.schedule
+    assert audit.core.scheduler.num_preemptions > 0

@@ -203,6 +203,11 @@ class Scheduler(SchedulerCommit):
                 self._add_row(req, num_new, out)
                 budget -= num_new
         self._admit_waiting(budget, out)
+        # A request preempted above with no step in flight released its index at once, and
+        # admission may have handed that index to a new request: the runner drops the old
+        # occupant first (it applies `released` before `new_requests`).
+        out.plan.released.extend(self._released)
+        self._released = []
         self._attach_kv_meta(out)
         if out.plan.rows:
             out.plan.step = self.num_steps
