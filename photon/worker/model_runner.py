@@ -49,7 +49,7 @@ from photon.structured.bitmask import MaskViews, TokenMask, mask_numel
 from photon.worker.cuda_graph import GraphModel, staged_rows
 from photon.worker.decode_inputs import build_decode_inputs, is_plain_decode
 from photon.worker.draft_runner import DraftRunner, kv_block_bytes
-from photon.worker.inputs import HostStep, build_step_inputs, pad_tokens, token_bucket
+from photon.worker.inputs import HostStep, build_step_inputs
 from photon.worker.kv_sizing import usable_blocks
 from photon.worker.probe import StepProbe
 from photon.worker.request_table import RequestTable
@@ -121,10 +121,6 @@ class ModelRunner:
         self.streams = Streams(self.device,
                                device_waits=config.structured_outputs.mask_wait == "device")
         tokens = config.scheduler.max_num_batched_tokens
-        # Eager steps are padded to token buckets on CUDA (inputs.token_bucket: GEMM shapes
-        # repeat); on CPU a shape costs nothing extra and padding would only add work.
-        self.pad_eager = self.device.type == "cuda"
-        self.max_tokens = tokens
         # Backends cover at most the model's vocabulary: the widest masks a step can have.
         words = bitmask_width(mc.vocab_size)
         self.mask_views = MaskViews(words)
@@ -252,8 +248,6 @@ class ModelRunner:
         self.table.pool_valid[idx] = valid
         calibrating = self.kv_scales is not None and self.kv_scales.calibrating
         graph_key = None if self.graphs is None or calibrating else self.graphs.plan(rows, host)
-        if graph_key is None and self.pad_eager and not calibrating:
-            pad_tokens(host, token_bucket(host.inputs.positions.shape[0], self.max_tokens))
         slot = self.slots[plan.step % 2]
         ints, floats = slot.stage(int_arrays(host.inputs), float_arrays(host.inputs))
         return PreparedStep(slot, rows, host, StepInputs(*ints, *floats), graph_key, plan.step,
@@ -292,7 +286,7 @@ class ModelRunner:
         if prep.graph_key is not None:
             hidden = self.graphs.run(prep.graph_key, dev, len(prep.rows))
         else:
-            hidden = self._forward_eager(staged_rows(dev), host, dev)
+            hidden = self._forward_eager(len(prep.rows), host, dev)
         logits = None
         if host.sample_rows:
             sel = hidden if host.decode_only else hidden[dev.logits_indices]
@@ -341,7 +335,7 @@ class ModelRunner:
         hidden = self.model(input_ids, dev.positions, ctx)
         if self.kv_scales is not None:
             self.kv_scales.finish_calibration()
-        return hidden[:hidden.shape[0] - host.padding]
+        return hidden
 
     # ---- sample -------------------------------------------------------------------------------
     def _token_bitmask(self, h: StepHandle) -> TokenMask | None:
