@@ -80,3 +80,32 @@ def test_profile_refills_make_mixed_steps() -> None:
             core.step()
     finally:
         llm.engine.shutdown()
+
+
+def test_host_profile_times_the_steps_and_names_the_engine_functions() -> None:
+    """`--host-profile`: the steps' wall time, and cProfile's cumulative host time per step by
+    function, the engine's step inside the loop that runs the steps."""
+    import argparse
+
+    from photon import LLM, SamplingParams
+    from photon.bench.profile import host_profile
+
+    llm = LLM("photon-tiny", device="cpu", max_num_seqs=16)
+    try:
+        core = llm.engine
+        for i in range(3):
+            core.add_request([5 + i, 6, 7], SamplingParams(temperature=0.0, max_tokens=40,
+                                                           ignore_eos=True))
+        ns = argparse.Namespace(steps=4, refills_per_step=1, refill_prompt_len=5)
+        out = host_profile(core, ns, top=10)
+        assert out["wall_ms_per_step"] > 0
+        cum = out["cumulative_ms_per_step"]
+        assert len(cum) == 10
+        runs = [v for k, v in cum.items() if "(_run_steps)" in k]
+        steps = [v for k, v in cum.items() if "engine_core.py" in k and "(step)" in k]
+        assert len(runs) == len(steps) == 1 and 0 < steps[0] <= runs[0] == max(cum.values())
+        assert core.scheduler.num_steps >= 8  # both rounds ran
+        while core.scheduler.has_unfinished():
+            core.step()
+    finally:
+        llm.engine.shutdown()

@@ -12,7 +12,9 @@ so that the mixed steps' kernel variants are compiled before profiling. Prints o
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
 import re
 import tempfile
@@ -61,6 +63,10 @@ def add_parser(sub: Any) -> None:
                         "only).")
     p.add_argument("--refill-prompt-len", type=int, default=128,
                    help="Prompt tokens of each refill request (default 128).")
+    p.add_argument("--host-profile", action="store_true",
+                   help="Before the kernel profile: the steps' wall time without any profiler, "
+                        "then their host time under cProfile by function (cumulative), in "
+                        "`host_profile`.")
     from photon.cli import add_engine_args
 
     add_engine_args(p)
@@ -102,6 +108,34 @@ def add_refills(core: Any, count: int, prompt_len: int, max_tokens: int, seed: i
                                                 ignore_eos=True))
 
 
+def _run_steps(core: Any, ns: argparse.Namespace, seed: int) -> float:
+    """`ns.steps` steps (each after its refills); returns their wall seconds, GPU included."""
+    t0 = time.perf_counter()
+    for step in range(ns.steps):
+        add_refills(core, ns.refills_per_step, ns.refill_prompt_len, ns.steps - step + 1,
+                    seed + step)
+        core.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def host_profile(core: Any, ns: argparse.Namespace, top: int = 30) -> dict[str, Any]:
+    """The steps' wall ms without a profiler, then the heaviest functions (cumulative host ms
+    per step under cProfile, which inflates Python-heavy code) of as many steps again."""
+    wall = _run_steps(core, ns, 10_000)
+    prof = cProfile.Profile()
+    prof.enable()
+    _run_steps(core, ns, 20_000)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = sorted(((f"{fn.rsplit('/', 2)[-1] if '/' in fn else fn}:{line}({name})", cum)
+                   for (fn, line, name), (_, _, _, cum, _) in stats.items()),
+                  key=lambda kv: -kv[1])[:top]
+    return {"wall_ms_per_step": wall * 1e3 / ns.steps,
+            "cumulative_ms_per_step": {k: v * 1e3 / ns.steps for k, v in rows}}
+
+
 def run_profile(ns: argparse.Namespace) -> int:
     from photon.llm import LLM
 
@@ -112,34 +146,34 @@ def run_profile(ns: argparse.Namespace) -> int:
     if ns.refills_per_step < 0 or ns.refill_prompt_len < 1:
         raise ValueError("--refills-per-step must be >= 0 and --refill-prompt-len >= 1, got "
                          f"{ns.refills_per_step}, {ns.refill_prompt_len}")
+    rounds = 3 if ns.host_profile else 1  # --host-profile: two more rounds of steps first
+    # The batch decodes through every round (its requests' lengths count all of them).
+    whole = argparse.Namespace(**{**vars(ns), "steps": rounds * ns.steps})
     if ns.max_model_len is None:
-        ns.max_model_len = max(decode_len_needed(ns, ns.batch_size),
+        ns.max_model_len = max(decode_len_needed(whole, ns.batch_size),
                                ns.refill_prompt_len + ns.steps + 1)
     ns.max_num_seqs = max(ns.max_num_seqs, ns.batch_size
-                         + ns.refills_per_step * (ns.steps + ns.warmup_steps))
+                         + ns.refills_per_step * (rounds * ns.steps + ns.warmup_steps))
     with tempfile.TemporaryDirectory() as tmp:
         args = bench_engine_args(ns, tmp)
         llm = LLM(**asdict(args))
     core = llm.engine
-    _start_batch(core, ns.batch_size, ns)
+    _start_batch(core, ns.batch_size, whole)
     for step in range(ns.warmup_steps if ns.refills_per_step else 0):
         # Mixed steps compile their own kernel variants: keep that out of the profiled steps.
         add_refills(core, ns.refills_per_step, ns.refill_prompt_len, 2, -1 - step)
         core.step()
     torch.cuda.synchronize()
+    host = host_profile(core, ns) if ns.host_profile else None
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        for step in range(ns.steps):
-            add_refills(core, ns.refills_per_step, ns.refill_prompt_len, ns.steps - step + 1,
-                        step)
-            core.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall = _run_steps(core, ns, 0)
     result = {"benchmark": "profile", "model_shape": ns.model_shape, "batch_size": ns.batch_size,
               "context": ns.prompt_len, "refills_per_step": ns.refills_per_step,
               "refill_prompt_len": ns.refill_prompt_len, "pipelined": args.pipelined,
               "attention_backend": core.runner.backend.name, **_breakdown(prof, wall, ns.steps),
               **gpu_info("cuda")}
+    if host is not None:
+        result["host_profile"] = host
     print(json.dumps(result))
     return 0
