@@ -80,8 +80,9 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(layer_idx, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads,
                               head_dim, head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
+    def project(self, positions: torch.Tensor, x: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention's inputs: q [T, H, D] and k [T, Hkv, D] normed and rotated, v [T, Hkv*D]."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         a = self.attn
         q = q.view(-1, a.num_heads, a.head_dim)
@@ -89,7 +90,11 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(a(q, k, v, ctx))
+        return q, k, v
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        return self.o_proj(self.attn(*self.project(positions, x), ctx))
 
 
 class DecoderMLP(nn.Module):
@@ -134,12 +139,24 @@ class DecoderLayer(nn.Module):
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         # Invariant: on return, residual holds the stream *before* this layer's MLP output is
         # added; the next layer's (or the final) norm performs that add.
+        q, k, v, residual = self.before_attention(positions, x, residual)
+        return self.after_attention(self.self_attn.attn(q, k, v, ctx), residual)
+
+    def before_attention(self, positions: torch.Tensor, x: torch.Tensor,
+                         residual: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer up to attention, token by token: (q, k, v, residual)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
+        return (*self.self_attn.project(positions, x), residual)
+
+    def after_attention(self, attn: torch.Tensor, residual: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from attention's output [T, H*D] on, token by token: (MLP output,
+        residual)."""
+        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
         return self.mlp(x), residual
 
 

@@ -49,6 +49,8 @@ class HostStep:
     # row; None: 1 each (no speculative row).
     widths: list[int] | None = None
     spec_k: int = 0  # K_eff of the step's speculative rows (all verify as many drafts)
+    padding: int = 0  # padding rows (one token each) after the step's rows: pad_tokens
+    bucket: int = 0  # the piecewise graphs' token bucket the step runs in (0: op by op)
 
     @property
     def only_spec(self) -> bool:
@@ -211,3 +213,27 @@ def build_step_inputs(rows: list[ScheduledRow], table: RequestTable, block_size:
                     (i64([r.req_index for r in rows]), valid), spans,
                     smp.widths if smp.spec_rows.size else None,
                     max((r.spec for r in rows), default=0))
+
+
+def pad_tokens(host: HostStep, num_tokens: int) -> None:
+    """Append padding rows of one token each until the step holds `num_tokens` tokens, as a
+    CUDA graph's padding rows: position 0, pool entry 0, no adapter, K/V written into slot 0
+    of the null block 0 and attending over that one position. Sampling fields are untouched:
+    padding rows never sample."""
+    inp = host.inputs
+    pad = num_tokens - inp.positions.shape[0]
+    if pad <= 0:
+        return
+    zeros = np.zeros(pad, dtype=I64)
+    inp.positions = np.concatenate([inp.positions, zeros])
+    inp.pool_idx = np.concatenate([inp.pool_idx, zeros])
+    inp.slot_mapping = np.concatenate([inp.slot_mapping, zeros])
+    inp.lora_slots = np.concatenate([inp.lora_slots, zeros])
+    inp.seq_lens = np.concatenate([inp.seq_lens, zeros + 1])
+    end = inp.query_start_loc[-1]
+    inp.query_start_loc = np.concatenate([inp.query_start_loc, end + np.arange(1, pad + 1)])
+    tables = inp.block_tables
+    inp.block_tables = np.concatenate([tables, np.zeros((pad, tables.shape[1]), dtype=I64)])
+    host.seq_lens = host.seq_lens + [1] * pad
+    host.query_lens = host.query_lens + [1] * pad
+    host.padding = pad

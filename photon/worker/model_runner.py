@@ -49,8 +49,10 @@ from photon.structured.bitmask import MaskViews, TokenMask, mask_numel
 from photon.worker.cuda_graph import GraphModel, staged_rows
 from photon.worker.decode_inputs import build_decode_inputs, is_plain_decode
 from photon.worker.draft_runner import DraftRunner, kv_block_bytes
-from photon.worker.inputs import HostStep, build_step_inputs
+from photon.worker.inputs import HostStep, build_step_inputs, pad_tokens
 from photon.worker.kv_sizing import usable_blocks
+from photon.worker.piecewise_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS
+from photon.worker.piecewise_graphs import PiecewiseGraphs
 from photon.worker.probe import StepProbe
 from photon.worker.request_table import RequestTable
 from photon.worker.sampler import Sampler, SamplingBatch, token_logprobs
@@ -153,6 +155,13 @@ class ModelRunner:
             self.graphs.capture()
             if self.draft is not None:
                 self.draft.capture_graphs(max_seqs, max_blocks)
+        # Steps no other graph holds replay piecewise graphs (not with LoRA adapters, whose
+        # slot grouping the pieces do not capture).
+        self.piecewise: PiecewiseGraphs | None = None
+        if self.graphs is not None and self.lora is None and PiecewiseGraphs.supports(self.model):
+            self.piecewise = PiecewiseGraphs(self.model.model, min(PIECEWISE_MAX_TOKENS, tokens),
+                                             self.device)
+            self.piecewise.capture()
         if self.kv_scales is not None:
             # After the capture: graphs never calibrate, and steps run eagerly until it is done.
             self.kv_scales.start_calibration()
@@ -248,6 +257,9 @@ class ModelRunner:
         self.table.pool_valid[idx] = valid
         calibrating = self.kv_scales is not None and self.kv_scales.calibrating
         graph_key = None if self.graphs is None or calibrating else self.graphs.plan(rows, host)
+        if graph_key is None and self.piecewise is not None and not calibrating:
+            host.bucket = self.piecewise.bucket(host.inputs.positions.shape[0]) or 0
+            pad_tokens(host, host.bucket)
         slot = self.slots[plan.step % 2]
         ints, floats = slot.stage(int_arrays(host.inputs), float_arrays(host.inputs))
         return PreparedStep(slot, rows, host, StepInputs(*ints, *floats), graph_key, plan.step,
@@ -286,7 +298,7 @@ class ModelRunner:
         if prep.graph_key is not None:
             hidden = self.graphs.run(prep.graph_key, dev, len(prep.rows))
         else:
-            hidden = self._forward_eager(len(prep.rows), host, dev)
+            hidden = self._forward_eager(staged_rows(dev), host, dev)
         logits = None
         if host.sample_rows:
             sel = hidden if host.decode_only else hidden[dev.logits_indices]
@@ -332,10 +344,13 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.catch_up(input_ids, dev.positions, meta)
         ctx = ForwardContext(meta, self.kv_caches, self.backend, self.kv_scales)
-        hidden = self.model(input_ids, dev.positions, ctx)
+        if host.bucket:
+            hidden = self.piecewise.run(host.bucket, input_ids, dev.positions, ctx)
+        else:
+            hidden = self.model(input_ids, dev.positions, ctx)
         if self.kv_scales is not None:
             self.kv_scales.finish_calibration()
-        return hidden
+        return hidden[:hidden.shape[0] - host.padding]
 
     # ---- sample -------------------------------------------------------------------------------
     def _token_bitmask(self, h: StepHandle) -> TokenMask | None:

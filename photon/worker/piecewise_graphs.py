@@ -1,0 +1,146 @@
+"""Piecewise CUDA graphs: the forward of a step no other graph holds, replayed between attention
+calls.
+
+Prefill chunks, mixed steps (decode rows beside a prompt chunk) and speculative rows beside one
+run outside the decode and speculative graphs. Launched op by op from Python, such a forward
+costs the host several times its GPU time (some 390 launches for a 28-layer model, Triton's
+the costliest). Here a step of up to `max_tokens` tokens is padded to a token bucket (one-token
+padding rows, as a decode graph's: `inputs.pad_tokens`) and its forward runs as L + 1 graphs of
+that bucket with attention, eager, between them:
+
+  piece 0      embeddings, then layer 0 up to attention (norm, QKV, q/k norms, rotary)
+  piece i      layer i - 1 from attention's output on (o_proj, norm, MLP), then layer i up to
+               attention (1 <= i < L)
+  piece L      layer L - 1 from attention's output on, the final norm
+
+Attention takes the step's real metadata (its kernels choose their launch from host ints).
+Every piece reads and writes static buffers of `max_tokens` rows (token ids, positions, q, k,
+v, attention's output, the residual stream, the final hidden states); what a piece allocates
+besides is temporary, in one pool shared by all pieces of all buckets: safe because pieces
+replay one after another on the compute stream and none keeps a temporary alive.
+
+Models qualify when their `model` is photon's DecoderModel (every Llama-graph family, MoE ones
+included). Steps run eagerly instead with tensor parallelism, LoRA adapters, or while FP8 KV
+scales calibrate (the runner decides).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from photon.attention.backend import ForwardContext
+from photon.model.llama import DecoderModel
+from photon.worker.cuda_graph import Captured
+
+MAX_TOKENS = 2048  # larger steps are compute-bound: their launches hide behind the GPU work
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Multiples of 16 up to 256, then eight sizes an octave (a multiple of an eighth of the
+    octave's start): a step pads by at most an eighth. `max_tokens` is always one."""
+    sizes, t = list(range(16, 257, 16)), 256
+    while t < max_tokens:
+        sizes += [t + (j + 1) * t // 8 for j in range(8)]
+        t *= 2
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
+
+
+@dataclass
+class _Static:
+    input_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    q: torch.Tensor  # [N, H, D]
+    k: torch.Tensor  # [N, Hkv, D]
+    v: torch.Tensor  # [N, Hkv * D]
+    attn: torch.Tensor  # [N, H * D], attention's output
+    residual: torch.Tensor  # [N, hidden]
+    hidden: torch.Tensor  # [N, hidden], the final norm's output
+
+
+def _static(decoder: DecoderModel, n: int, device: torch.device) -> _Static:
+    a = decoder.layers[0].self_attn.attn
+    hidden = decoder.embed_tokens.weight.shape[1]
+    dtype = decoder.embed_tokens.weight.dtype
+
+    def buf(*shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+    return _Static(torch.zeros(n, dtype=torch.int64, device=device),
+                   torch.zeros(n, dtype=torch.int64, device=device),
+                   buf(n, a.num_heads, a.head_dim), buf(n, a.num_kv_heads, a.head_dim),
+                   buf(n, a.num_kv_heads * a.head_dim), buf(n, a.num_heads * a.head_dim),
+                   buf(n, hidden), buf(n, hidden))
+
+
+class PiecewiseGraphs:
+    def __init__(self, decoder: DecoderModel, max_tokens: int, device: torch.device) -> None:
+        self.decoder = decoder
+        self.buckets = token_buckets(max_tokens)
+        self.static = _static(decoder, self.buckets[-1], device)
+        # bucket -> its L + 1 pieces; a piece is a replayable callable (a graph, or on CPU the
+        # piece itself: `capture=False` runs the same buffers and order eagerly)
+        self.pieces: dict[int, list[Callable[[], object]]] = {}
+        self.replays = 0
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        return isinstance(getattr(model, "model", None), DecoderModel)
+
+    def bucket(self, num_tokens: int) -> int | None:
+        if num_tokens > self.buckets[-1]:
+            return None
+        return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
+
+    def _piece(self, i: int, t: int) -> torch.Tensor:
+        """Piece i of bucket t (module docstring), from and into the static buffers."""
+        d, s = self.decoder, self.static
+        if i == 0:
+            x, residual = d.embed_tokens(s.input_ids[:t]), None
+        else:
+            x, residual = d.layers[i - 1].after_attention(s.attn[:t], s.residual[:t])
+        if i == len(d.layers):
+            out, _ = d.norm(x, residual)
+            return s.hidden[:t].copy_(out)
+        q, k, v, residual = d.layers[i].before_attention(s.positions[:t], x, residual)
+        s.q[:t].copy_(q)
+        s.k[:t].copy_(k)
+        s.v[:t].copy_(v.reshape(t, -1))
+        return s.residual[:t].copy_(residual)
+
+    def capture(self, pool: tuple | None = None, capture: bool = True) -> tuple | None:
+        """Every bucket's pieces, the largest bucket first; returns the pool."""
+        if capture:
+            torch.cuda.synchronize()
+        for t in reversed(self.buckets):
+            pieces: list[Callable[[], object]] = []
+            for i in range(len(self.decoder.layers) + 1):
+                def piece(i: int = i, t: int = t) -> torch.Tensor:
+                    return self._piece(i, t)
+                if capture:
+                    g = Captured(piece, pool)
+                    pool = g.pool
+                    pieces.append(g.graph.replay)
+                else:
+                    pieces.append(piece)
+            self.pieces[t] = pieces
+        if capture:
+            torch.cuda.synchronize()
+        return pool
+
+    def run(self, t: int, input_ids: torch.Tensor, positions: torch.Tensor,
+            ctx: ForwardContext) -> torch.Tensor:
+        """The forward of a step padded to bucket t: its final hidden states [t, hidden] (a view
+        of a static buffer, valid until the next run)."""
+        s, pieces = self.static, self.pieces[t]
+        s.input_ids[:t].copy_(input_ids)
+        s.positions[:t].copy_(positions)
+        for i, layer in enumerate(self.decoder.layers):
+            pieces[i]()
+            s.attn[:t].copy_(layer.self_attn.attn(s.q[:t], s.k[:t], s.v[:t], ctx))
+        pieces[-1]()
+        self.replays += 1
+        return s.hidden[:t]
