@@ -44,7 +44,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: list.remove / index / `in` over the running batch stay cheap
 class Request:
     request_id: str
     prompt_token_ids: list[int]
