@@ -90,7 +90,9 @@ class EngineArgs:
         "Where the model runs; auto = cuda when available, else cpu.", DEVICES))
     pipelined: bool = field(default=True, metadata=_help(
         "Pipelined decoding (launch t+1 before committing t). --no-pipelined = blocking loop."))
-    enforce_eager: bool = field(default=False, metadata=_help("Disable CUDA graphs."))
+    enforce_eager: bool = field(default=False, metadata=_help(
+        "Disable CUDA graphs (decode steps' and the piecewise graphs of prefill and mixed "
+        "steps)."))
     attention_backend: str = field(default="auto", metadata=_help(
         "Attention backend: auto (default: triton on CUDA, torch on CPU), torch or triton."))
     served_model_name: str | None = field(default=None, metadata=_help(
