@@ -74,7 +74,8 @@ def test_padding_rows_are_one_token_each_in_the_null_block(
 def _piecewise(llm: LLM, max_tokens: int = 64) -> LLM:
     """The engine's runner with piecewise graphs of up to `max_tokens` tokens, uncaptured."""
     runner = llm.engine.runner
-    runner.piecewise = PiecewiseGraphs(runner.model.model, max_tokens, runner.device)
+    runner.piecewise = PiecewiseGraphs(runner.model.model, runner.kv_caches, runner.backend,
+                                       runner.kv_scales, max_tokens, runner.device)
     runner.piecewise.capture(capture=False)
     return llm
 
@@ -143,3 +144,18 @@ def test_piecewise_speculation_equals_op_by_op(method: str) -> None:
     assert audit_p.schedule == audit.schedule
     assert llm.engine.runner.spec.counters.num_accepted_tokens > 0
     assert llm.engine.runner.piecewise.replays > 20
+
+
+def test_piecewise_with_an_fp8_cache_equals_op_by_op() -> None:
+    """The pieces write K/V with the FP8 cache's scales (set by the first, op-by-op step) and
+    attention between them reads them: the tokens of the engine running steps op by op."""
+    kw = dict(model="photon-tiny-random", max_model_len=256, max_num_batched_tokens=48,
+              kv_cache_dtype="fp8", calculate_kv_scales=True)
+    specs = _mixed_specs()
+    eos = frozenset({7})
+    plain, _ = run(LLM(**kw), specs, eos)
+    llm = _piecewise(LLM(**kw))
+    piecewise, _ = run(llm, specs, eos)
+    assert piecewise == plain
+    assert llm.engine.runner.kv_scales.source == "calculated"
+    assert llm.engine.runner.piecewise.replays > 10

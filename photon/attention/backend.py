@@ -83,6 +83,12 @@ class AttentionBackend(ABC):
         kv_scales: LayerKVScales | None = None,  # required for an FP8 cache
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         self.write_kv(k, v, kv_cache, metadata.slot_mapping, kv_scales)
+        return self.attend(q, kv_cache, metadata, scale, kv_scales)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+               scale: float, kv_scales: LayerKVScales | None = None) -> torch.Tensor:
+        """`forward` once the step's K/V are in the cache: q [num_tokens, num_heads, head_dim]
+        attends to the cached positions of its sequence."""
         if metadata.decode_only:
             return self.decode(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale,
                                kv_scales)

@@ -87,10 +87,11 @@ class KVCacheScales:
         shape = (num_layers, num_kv_heads)
         return cls(torch.ones(shape, device=device), torch.ones(shape, device=device))
 
-    def layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> LayerKVScales:
+    def layer(self, i: int, k: torch.Tensor | None = None, v: torch.Tensor | None = None
+              ) -> LayerKVScales:
         """Layer i's scales; while calibrating, first set from k, v [T, Hkv, D] (amax / 448)."""
         scales = self._layers[i]
-        if self.calibrating and k.shape[0] > 0:
+        if self.calibrating and k is not None and v is not None and k.shape[0] > 0:
             scales.k.copy_(fp8_scale(k.abs().amax(dim=(0, 2))))
             scales.v.copy_(fp8_scale(v.abs().amax(dim=(0, 2))))
         return scales

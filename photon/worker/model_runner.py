@@ -159,7 +159,8 @@ class ModelRunner:
         # slot grouping the pieces do not capture).
         self.piecewise: PiecewiseGraphs | None = None
         if self.graphs is not None and self.lora is None and PiecewiseGraphs.supports(self.model):
-            self.piecewise = PiecewiseGraphs(self.model.model, min(PIECEWISE_MAX_TOKENS, tokens),
+            self.piecewise = PiecewiseGraphs(self.model.model, self.kv_caches, self.backend,
+                                             self.kv_scales, min(PIECEWISE_MAX_TOKENS, tokens),
                                              self.device)
             self.piecewise.capture()
         if self.kv_scales is not None:

@@ -8,16 +8,19 @@ the costliest). Here a step of up to `max_tokens` tokens is padded to a token bu
 padding rows, as a decode graph's: `inputs.pad_tokens`) and its forward runs as L + 1 graphs of
 that bucket with attention, eager, between them:
 
-  piece 0      embeddings, then layer 0 up to attention (norm, QKV, q/k norms, rotary)
+  piece 0      embeddings, then layer 0 up to attention (norm, QKV, q/k norms, rotary, the K/V
+               written into the cache)
   piece i      layer i - 1 from attention's output on (o_proj, norm, MLP), then layer i up to
                attention (1 <= i < L)
   piece L      layer L - 1 from attention's output on, the final norm
 
-Attention takes the step's real metadata (its kernels choose their launch from host ints).
-Every piece reads and writes static buffers of `max_tokens` rows (token ids, positions, q, k,
-v, attention's output, the residual stream, the final hidden states); what a piece allocates
-besides is temporary, in one pool shared by all pieces of all buckets: safe because pieces
-replay one after another on the compute stream and none keeps a temporary alive.
+Attention itself takes the step's real metadata (its kernels choose their launch from host
+ints); the K/V write needs only the slot mapping, so it stays in the pieces. Every piece reads
+and writes static buffers of `max_tokens` rows (token ids, positions, slots, q, attention's
+output, the residual stream, the final hidden states); what a piece allocates besides is
+temporary, in one pool shared by all pieces of all buckets: safe because pieces replay one after
+another on the compute stream and none keeps a temporary alive. An FP8 cache's scales are fixed
+by then (calibrating steps run op by op).
 
 Models qualify when their `model` is photon's DecoderModel (every Llama-graph family, MoE ones
 included). Steps run eagerly instead with tensor parallelism, LoRA adapters, or while FP8 KV
@@ -32,7 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from photon.attention.backend import ForwardContext
+from photon.attention.backend import AttentionBackend, ForwardContext
+from photon.attention.kv_quant import KVCacheScales, LayerKVScales
 from photon.model.llama import DecoderModel
 from photon.worker.cuda_graph import Captured
 
@@ -53,9 +57,8 @@ def token_buckets(max_tokens: int) -> list[int]:
 class _Static:
     input_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
+    slot_mapping: torch.Tensor  # [N] int64
     q: torch.Tensor  # [N, H, D]
-    k: torch.Tensor  # [N, Hkv, D]
-    v: torch.Tensor  # [N, Hkv * D]
     attn: torch.Tensor  # [N, H * D], attention's output
     residual: torch.Tensor  # [N, hidden]
     hidden: torch.Tensor  # [N, hidden], the final norm's output
@@ -66,19 +69,22 @@ def _static(decoder: DecoderModel, n: int, device: torch.device) -> _Static:
     hidden = decoder.embed_tokens.weight.shape[1]
     dtype = decoder.embed_tokens.weight.dtype
 
-    def buf(*shape: int) -> torch.Tensor:
+    def buf(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
         return torch.zeros(*shape, dtype=dtype, device=device)
 
-    return _Static(torch.zeros(n, dtype=torch.int64, device=device),
-                   torch.zeros(n, dtype=torch.int64, device=device),
-                   buf(n, a.num_heads, a.head_dim), buf(n, a.num_kv_heads, a.head_dim),
-                   buf(n, a.num_kv_heads * a.head_dim), buf(n, a.num_heads * a.head_dim),
-                   buf(n, hidden), buf(n, hidden))
+    return _Static(buf(n, dtype=torch.int64), buf(n, dtype=torch.int64),
+                   buf(n, dtype=torch.int64), buf(n, a.num_heads, a.head_dim),
+                   buf(n, a.num_heads * a.head_dim), buf(n, hidden), buf(n, hidden))
 
 
 class PiecewiseGraphs:
-    def __init__(self, decoder: DecoderModel, max_tokens: int, device: torch.device) -> None:
+    def __init__(self, decoder: DecoderModel, kv_caches: list[torch.Tensor],
+                 backend: AttentionBackend, kv_scales: KVCacheScales | None, max_tokens: int,
+                 device: torch.device) -> None:
         self.decoder = decoder
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.kv_scales = kv_scales
         self.buckets = token_buckets(max_tokens)
         self.static = _static(decoder, self.buckets[-1], device)
         # bucket -> its L + 1 pieces; a piece is a replayable callable (a graph, or on CPU the
@@ -106,10 +112,16 @@ class PiecewiseGraphs:
             out, _ = d.norm(x, residual)
             return s.hidden[:t].copy_(out)
         q, k, v, residual = d.layers[i].before_attention(s.positions[:t], x, residual)
+        a = d.layers[i].self_attn.attn
+        k = k.reshape(t, a.num_kv_heads, a.head_dim)
+        v = v.reshape(t, a.num_kv_heads, a.head_dim)
+        self.backend.write_kv(k, v, self.kv_caches[a.layer_idx], s.slot_mapping[:t],
+                              self._scales(a.layer_idx))
         s.q[:t].copy_(q)
-        s.k[:t].copy_(k)
-        s.v[:t].copy_(v.reshape(t, -1))
         return s.residual[:t].copy_(residual)
+
+    def _scales(self, layer: int) -> LayerKVScales | None:
+        return None if self.kv_scales is None else self.kv_scales.layer(layer)
 
     def capture(self, pool: tuple | None = None, capture: bool = True) -> tuple | None:
         """Every bucket's pieces, the largest bucket first; returns the pool."""
@@ -135,12 +147,16 @@ class PiecewiseGraphs:
             ctx: ForwardContext) -> torch.Tensor:
         """The forward of a step padded to bucket t: its final hidden states [t, hidden] (a view
         of a static buffer, valid until the next run)."""
-        s, pieces = self.static, self.pieces[t]
+        s, pieces, meta = self.static, self.pieces[t], ctx.metadata
         s.input_ids[:t].copy_(input_ids)
         s.positions[:t].copy_(positions)
+        s.slot_mapping[:t].copy_(meta.slot_mapping)
         for i, layer in enumerate(self.decoder.layers):
             pieces[i]()
-            s.attn[:t].copy_(layer.self_attn.attn(s.q[:t], s.k[:t], s.v[:t], ctx))
+            a = layer.self_attn.attn
+            out = self.backend.attend(s.q[:t], self.kv_caches[a.layer_idx], meta, a.scale,
+                                      self._scales(a.layer_idx))
+            s.attn[:t].copy_(out.view(t, -1))
         pieces[-1]()
         self.replays += 1
         return s.hidden[:t]
