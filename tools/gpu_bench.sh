@@ -14,7 +14,9 @@
 #   structured  JSON-schema decode vs the same batch unconstrained, schemas records and
 #               records-no-ranges: structured_qwen3-0.6b_SCHEMA.json
 #   profile     GPU time of a decode step by kernel class (B=256, 1,024-token contexts):
-#               profile_qwen3-0.6b_b256_ctx1024.json (not in the default set)
+#               profile_qwen3-0.6b_b256_ctx1024.json; decode and mixed steps (two 128-token
+#               refills a step) at 128-token contexts with their host time (--host-profile):
+#               profile_host_qwen3-0.6b_b256_r{0,2}.json (not in the default set)
 #   serve       `photon serve` + `photon bench serve` on loopback, pipelined and blocking servers:
 #               serve/pipelined.json, serve/no-pipelined.json, serve/frontier.png (not in the
 #               default set; needs the server's and the client's packages)
@@ -125,9 +127,13 @@ step_structured() {
 }
 
 step_profile() {  # `bench profile` prints its JSON summary as the last line of stdout
-  local json="$out/profile_qwen3-0.6b_b256_ctx1024.json"
   run "${photon[@]}" bench profile --model-shape qwen3-0.6b --batch-size 256 --prompt-len 1024
-  grep '^{"benchmark": "profile"' "$log" | tail -1 > "$json"
+  grep '^{"benchmark": "profile"' "$log" | tail -1 > "$out/profile_qwen3-0.6b_b256_ctx1024.json"
+  for r in 0 2; do
+    run "${photon[@]}" bench profile --model-shape qwen3-0.6b --batch-size 256 --prompt-len 128 \
+      --steps 16 --warmup-steps 8 --refills-per-step "$r" --host-profile
+    grep '^{"benchmark": "profile"' "$log" | tail -1 > "$out/profile_host_qwen3-0.6b_b256_r$r.json"
+  done
 }
 
 free_port() {
