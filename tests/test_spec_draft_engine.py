@@ -229,9 +229,5 @@ def test_an_index_released_by_a_preemption_is_reused_in_the_same_plan() -> None:
     old occupant first (before this was fixed, the new request failed with "request index ...
     is already in use" on this workload)."""
     kw = dict(block_size=4, max_num_batched_tokens=24, max_num_seqs=6, num_gpu_blocks_override=40)
-    specs = _mixed_specs(500)
-    (pipelined, audit), (blocking, audit_b) = [
-        run(_llm(TARGET, DRAFT, 3, p, **kw), specs) for p in (True, False)]
-    assert pipelined == blocking
-    assert audit.schedule == audit_b.schedule
+    _, audit = run(_llm(TARGET, DRAFT, 3, **kw), _mixed_specs(500))  # `run` asserts no errors
     assert audit.core.scheduler.num_preemptions > 0

@@ -26,6 +26,7 @@ from photon.core.inputs import StepInputs
 from photon.model.loader import load_model
 from photon.spec.draft_model import DraftStep
 from photon.worker.draft_graphs import DraftGraphs
+from photon.worker.piecewise_graphs import PiecewiseGraphs
 
 
 def kv_block_bytes(mc: ModelConfig, block_size: int, dtype: torch.dtype | None = None) -> int:
@@ -49,15 +50,30 @@ class DraftRunner:
         # The step row of each request index in the step being sampled (for its block table).
         self._row_of = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self.graphs: DraftGraphs | None = None
+        # The catch-up of steps the target runs piecewise (the target's buckets: same size).
+        self.piecewise: PiecewiseGraphs | None = None
 
     def capture_graphs(self, max_batch: int, max_blocks: int) -> None:
         """Capture the draft's decode steps (CUDA only; call before any step is in flight)."""
         self.graphs = DraftGraphs(self, max_batch, max_blocks, self.kv_caches[0].device)
         self.graphs.capture()
 
-    def catch_up(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> None:
-        """The draft's forward over the target's step inputs: only its KV writes matter."""
-        self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
+    def capture_piecewise(self, max_tokens: int) -> None:
+        """Piecewise graphs for the catch-up, of the target's `max_tokens` (CUDA only)."""
+        if PiecewiseGraphs.supports(self.model):
+            self.piecewise = PiecewiseGraphs(self.model.model, self.kv_caches, self.backend,
+                                             None, max_tokens, self.kv_caches[0].device)
+            self.piecewise.capture()
+
+    def catch_up(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
+                 bucket: int = 0) -> None:
+        """The draft's forward over the target's step inputs: only its KV writes matter.
+        `bucket`: the target's piecewise bucket the inputs are padded to (0: op by op)."""
+        ctx = ForwardContext(meta, self.kv_caches, self.backend)
+        if bucket and self.piecewise is not None:
+            self.piecewise.run(bucket, input_ids, positions, ctx)
+        else:
+            self.model(input_ids, positions, ctx)
 
     def decode(self, dev: StepInputs[Tensor], num_rows: int, num_proposing: int) -> DraftStep:
         """The draft step of a sampled step's proposing requests (`dev.propose_reqs`, of which

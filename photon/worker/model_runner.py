@@ -163,6 +163,8 @@ class ModelRunner:
                                              self.kv_scales, min(PIECEWISE_MAX_TOKENS, tokens),
                                              self.device)
             self.piecewise.capture()
+            if self.draft is not None:
+                self.draft.capture_piecewise(self.piecewise.buckets[-1])
         if self.kv_scales is not None:
             # After the capture: graphs never calibrate, and steps run eagerly until it is done.
             self.kv_scales.start_calibration()
@@ -343,7 +345,7 @@ class ModelRunner:
         )
         input_ids = self.token_pool.view(-1)[dev.pool_idx].long()
         if self.draft is not None:
-            self.draft.catch_up(input_ids, dev.positions, meta)
+            self.draft.catch_up(input_ids, dev.positions, meta, host.bucket)
         ctx = ForwardContext(meta, self.kv_caches, self.backend, self.kv_scales)
         if host.bucket:
             hidden = self.piecewise.run(host.bucket, input_ids, dev.positions, ctx)
