@@ -76,12 +76,12 @@ def _piecewise(llm: LLM, max_tokens: int = 64) -> LLM:
     runner = llm.engine.runner
     runner.piecewise = PiecewiseGraphs(runner.model.model, runner.kv_caches, runner.backend,
                                        runner.kv_scales, max_tokens, runner.device)
-    runner.piecewise.capture(capture=False)
+    runner.piecewise.capture(eager=True)
     draft = runner.draft
     if draft is not None:
         draft.piecewise = PiecewiseGraphs(draft.model.model, draft.kv_caches, draft.backend,
                                           None, max_tokens, runner.device)
-        draft.piecewise.capture(capture=False)
+        draft.piecewise.capture(eager=True)
     return llm
 
 

@@ -87,8 +87,8 @@ class PiecewiseGraphs:
         self.kv_scales = kv_scales
         self.buckets = token_buckets(max_tokens)
         self.static = _static(decoder, self.buckets[-1], device)
-        # bucket -> its L + 1 pieces; a piece is a replayable callable (a graph, or on CPU the
-        # piece itself: `capture=False` runs the same buffers and order eagerly)
+        # bucket -> its L + 1 pieces; a piece is a replayable callable (a graph's replay, or
+        # with `capture(eager=True)` the piece itself: the same buffers and order, uncaptured)
         self.pieces: dict[int, list[Callable[[], object]]] = {}
         self.replays = 0
 
@@ -123,23 +123,24 @@ class PiecewiseGraphs:
     def _scales(self, layer: int) -> LayerKVScales | None:
         return None if self.kv_scales is None else self.kv_scales.layer(layer)
 
-    def capture(self, pool: tuple | None = None, capture: bool = True) -> tuple | None:
-        """Every bucket's pieces, the largest bucket first; returns the pool."""
-        if capture:
+    def capture(self, pool: tuple | None = None, eager: bool = False) -> tuple | None:
+        """Every bucket's pieces, the largest bucket first; returns the pool. `eager`: keep the
+        pieces uncaptured (CPU tests)."""
+        if not eager:
             torch.cuda.synchronize()
         for t in reversed(self.buckets):
             pieces: list[Callable[[], object]] = []
             for i in range(len(self.decoder.layers) + 1):
                 def piece(i: int = i, t: int = t) -> torch.Tensor:
                     return self._piece(i, t)
-                if capture:
+                if eager:
+                    pieces.append(piece)
+                else:
                     g = Captured(piece, pool)
                     pool = g.pool
                     pieces.append(g.graph.replay)
-                else:
-                    pieces.append(piece)
             self.pieces[t] = pieces
-        if capture:
+        if not eager:
             torch.cuda.synchronize()
         return pool
 
@@ -156,7 +157,7 @@ class PiecewiseGraphs:
             a = layer.self_attn.attn
             out = self.backend.attend(s.q[:t], self.kv_caches[a.layer_idx], meta, a.scale,
                                       self._scales(a.layer_idx))
-            s.attn[:t].copy_(out.view(t, -1))
+            s.attn[:t].copy_(out.reshape(t, -1))
         pieces[-1]()
         self.replays += 1
         return s.hidden[:t]
