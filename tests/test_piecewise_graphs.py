@@ -15,7 +15,7 @@ from photon import LLM, SamplingParams
 from photon.worker import model_runner
 from photon.worker.inputs import HostStep, build_step_inputs, pad_tokens
 from photon.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
-from tests.test_pipeline import Spec, _mixed_specs, run
+from tests.test_pipeline import Spec, _mixed_specs, _shared_prefix_specs, run
 from tests.test_spec_draft_engine import DRAFT, TARGET
 from tests.test_spec_engine import _mixed_specs as _spec_mixed_specs
 
@@ -167,3 +167,16 @@ def test_piecewise_with_an_fp8_cache_equals_op_by_op() -> None:
     assert piecewise == plain
     assert llm.engine.runner.kv_scales.source == "calculated"
     assert llm.engine.runner.piecewise.replays > 10
+
+
+def test_piecewise_with_prefix_cache_hits_equals_op_by_op() -> None:
+    """Rows starting from prefix-cache hits (their earlier positions read from the cache, none
+    recomputed) run piecewise with the tokens and schedule of op by op."""
+    kw = dict(model="photon-tiny-random", max_model_len=256, block_size=4,
+              max_num_batched_tokens=32, max_num_seqs=3, enable_prefix_caching=True)
+    specs = _shared_prefix_specs()
+    plain, audit = run(LLM(**kw), specs)
+    piecewise, audit_p = run(_piecewise(LLM(**kw)), specs)
+    assert piecewise == plain
+    assert audit_p.schedule == audit.schedule
+    assert sum(start > 0 for rows in audit_p.schedule for _, start, n, _ in rows if n > 1) > 5
