@@ -277,3 +277,20 @@ def test_lora_modules_are_checked_at_start(setup: dict) -> None:
     missing = os.path.join(setup["root"], "nowhere")
     with pytest.raises(ValueError, match="lora_path .* is not a directory"):
         LLM(setup["model"], enable_lora=True, lora_modules=[f"x={missing}"])
+
+
+def test_piecewise_graphs_with_adapters_match_peft(setup: dict) -> None:
+    """Steps run in piecewise graphs' pieces (uncaptured on CPU; every piece groups its tokens
+    by slot itself): a batch mixing adapters and the base model still gives PEFT's tokens."""
+    from photon.worker.piecewise_graphs import PiecewiseGraphs
+
+    llm = LLM(setup["model"], **ENGINE)
+    runner = llm.engine.runner
+    runner.piecewise = PiecewiseGraphs(runner.model.model, runner.kv_caches, runner.backend,
+                                       runner.kv_scales, 64, runner.device, runner.lora.batch)
+    runner.piecewise.capture(eager=True)
+    outs = llm.generate(setup["prompts"], _params(), use_tqdm=False,
+                        lora_request=setup["choice"])
+    assert [o.outputs[0].token_ids for o in outs] == _expected(setup, setup["choice"])
+    assert runner.piecewise.replays > 10
+    llm.engine.assert_drained()

@@ -155,13 +155,13 @@ class ModelRunner:
             self.graphs.capture()
             if self.draft is not None:
                 self.draft.capture_graphs(max_seqs, max_blocks)
-        # Steps no other graph holds replay piecewise graphs (not with LoRA adapters, whose
-        # slot grouping the pieces do not capture).
+        # Steps no other graph holds replay piecewise graphs.
         self.piecewise: PiecewiseGraphs | None = None
-        if self.graphs is not None and self.lora is None and PiecewiseGraphs.supports(self.model):
+        if self.graphs is not None and PiecewiseGraphs.supports(self.model):
             self.piecewise = PiecewiseGraphs(self.model.model, self.kv_caches, self.backend,
                                              self.kv_scales, min(PIECEWISE_MAX_TOKENS, tokens),
-                                             self.device)
+                                             self.device,
+                                             None if self.lora is None else self.lora.batch)
             self.piecewise.capture()
             if self.draft is not None:
                 self.draft.capture_piecewise(self.piecewise.buckets[-1])
@@ -294,7 +294,7 @@ class ModelRunner:
         if host.inputs.write_idx.size:
             self.token_pool.view(-1)[dev.write_idx] = dev.write_ids.to(torch.int32)
         if self.lora is not None:
-            self.lora.launch(dev.lora_slots, prep.graph_key is None
+            self.lora.launch(dev.lora_slots, prep.graph_key is None and not host.bucket
                              and any_adapter(host.inputs.lora_slots))
         if host.widths is not None:
             self.spec.resolve(dev, staged_rows(dev), host.spec_k)

@@ -22,9 +22,13 @@ temporary, in one pool shared by all pieces of all buckets: safe because pieces 
 another on the compute stream and none keeps a temporary alive. An FP8 cache's scales are fixed
 by then (calibrating steps run op by op).
 
+With LoRA adapters each piece first groups its tokens by slot from the runner's per-token slot
+buffer (`LoRABatch.prepare`, device ops only), so its adapted linears read a grouping it made
+itself: no piece reads another's temporaries.
+
 Models qualify when their `model` is photon's DecoderModel (every Llama-graph family, MoE ones
-included). Steps run eagerly instead with tensor parallelism, LoRA adapters, or while FP8 KV
-scales calibrate (the runner decides).
+included). Steps run op by op instead with tensor parallelism or while FP8 KV scales calibrate
+(the runner decides).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +44,9 @@ from photon.attention.backend import AttentionBackend, ForwardContext
 from photon.attention.kv_quant import KVCacheScales, LayerKVScales
 from photon.model.llama import DecoderModel
 from photon.worker.cuda_graph import Captured
+
+if TYPE_CHECKING:
+    from photon.lora.layers import LoRABatch
 
 MAX_TOKENS = 2048  # larger steps are compute-bound: their launches hide behind the GPU work
 
@@ -80,11 +88,12 @@ def _static(decoder: DecoderModel, n: int, device: torch.device) -> _Static:
 class PiecewiseGraphs:
     def __init__(self, decoder: DecoderModel, kv_caches: list[torch.Tensor],
                  backend: AttentionBackend, kv_scales: KVCacheScales | None, max_tokens: int,
-                 device: torch.device) -> None:
+                 device: torch.device, lora: LoRABatch | None = None) -> None:
         self.decoder = decoder
         self.kv_caches = kv_caches
         self.backend = backend
         self.kv_scales = kv_scales
+        self.lora = lora
         self.buckets = token_buckets(max_tokens)
         self.static = _static(decoder, self.buckets[-1], device)
         # bucket -> its L + 1 pieces; a piece is a replayable callable (a graph's replay, or
@@ -104,6 +113,9 @@ class PiecewiseGraphs:
     def _piece(self, i: int, t: int) -> torch.Tensor:
         """Piece i of bucket t (module docstring), from and into the static buffers."""
         d, s = self.decoder, self.static
+        if self.lora is not None:  # pieces always run the LoRA kernels (slot 0 adds nothing)
+            self.lora.active = True
+            self.lora.prepare(t)
         if i == 0:
             x, residual = d.embed_tokens(s.input_ids[:t]), None
         else:
