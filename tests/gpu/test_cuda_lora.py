@@ -34,6 +34,7 @@ def test_adapters_under_cuda_graphs_match_peft(setup: dict, pipelined: bool) -> 
     assert llm.engine.runner.graphs is not None
     assert _tokens(llm, setup, setup["choice"]) == _expected(setup, setup["choice"])
     assert llm.engine.runner.graphs.replays > 0
+    assert llm.engine.runner.piecewise.replays > 0  # the prompts' steps: pieces with adapters
     llm.engine.assert_drained()
 
 

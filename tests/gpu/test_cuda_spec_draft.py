@@ -37,6 +37,8 @@ def test_draft_model_greedy_equals_greedy_cuda(k: int) -> None:
     base = _greedy(LLM(pipelined=False, **KW))
     pipelined = LLM(pipelined=True, speculative_config=_spec(k), **KW)
     assert _greedy(pipelined) == base
+    runner = pipelined.engine.runner  # the prompts' steps: the target's and the draft's pieces
+    assert runner.draft.piecewise.replays == runner.piecewise.replays > 0
     blocking = LLM(pipelined=False, speculative_config=_spec(k), **KW)
     assert _greedy(blocking) == base
     eager = LLM(pipelined=True, enforce_eager=True, speculative_config=_spec(k), **KW)
