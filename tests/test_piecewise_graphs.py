@@ -92,10 +92,8 @@ def _with_prompt_logprobs(specs: list[Spec]) -> list[Spec]:
                                                 logprobs=1, ignore_eos=True))]
 
 
-@pytest.mark.parametrize("pipelined", [True, False])
-def test_piecewise_engine_equals_op_by_op(pipelined: bool) -> None:
-    kw = dict(model="photon-tiny-random", max_model_len=256, max_num_batched_tokens=48,
-              pipelined=pipelined)
+def test_piecewise_engine_equals_op_by_op() -> None:
+    kw = dict(model="photon-tiny-random", max_model_len=256, max_num_batched_tokens=48)
     specs = _with_prompt_logprobs(_mixed_specs())
     eos = frozenset({7})
     plain, audit = run(LLM(**kw), specs, eos)
