@@ -25,6 +25,7 @@ import torch
 from photon.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
 from photon.attention.kv_quant import KVCacheScales
 from photon.core.inputs import StepInputs
+from photon.worker.inputs import pad_token_arrays
 
 if TYPE_CHECKING:
     from photon.lora.layers import LoRABatch
@@ -174,12 +175,7 @@ def pad_rows(inputs: StepInputs[np.ndarray], batch: int, width: int, tokens_per_
     entry 0 and write their K/V into slot 0 of the null block 0; padding rows see
     `tokens_per_row` positions of the null block. Sampling fields are not padded: padding rows
     never sample, and are no speculative rows (the launch never resolves them)."""
-    num_tokens = batch * tokens_per_row
-    pad = np.zeros(num_tokens - inputs.positions.shape[0], dtype=np.int64)
-    inputs.positions = np.concatenate([inputs.positions, pad])
-    inputs.pool_idx = np.concatenate([inputs.pool_idx, pad])
-    inputs.slot_mapping = np.concatenate([inputs.slot_mapping, pad])
-    inputs.lora_slots = np.concatenate([inputs.lora_slots, pad])  # slot 0: no adapter
+    pad_token_arrays(inputs, batch * tokens_per_row - inputs.positions.shape[0])
     rows_pad = np.full(batch - inputs.seq_lens.shape[0], tokens_per_row, dtype=np.int64)
     inputs.seq_lens = np.concatenate([inputs.seq_lens, rows_pad])
     inputs.query_start_loc = np.arange(batch + 1, dtype=np.int64) * tokens_per_row

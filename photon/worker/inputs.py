@@ -215,6 +215,16 @@ def build_step_inputs(rows: list[ScheduledRow], table: RequestTable, block_size:
                     max((r.spec for r in rows), default=0))
 
 
+def pad_token_arrays(inputs: StepInputs[np.ndarray], count: int) -> None:
+    """Append `count` padding tokens to the per-token arrays: position 0, pool entry 0, KV slot
+    0 of the null block 0, LoRA slot 0 (no adapter)."""
+    zeros = np.zeros(count, dtype=I64)
+    inputs.positions = np.concatenate([inputs.positions, zeros])
+    inputs.pool_idx = np.concatenate([inputs.pool_idx, zeros])
+    inputs.slot_mapping = np.concatenate([inputs.slot_mapping, zeros])
+    inputs.lora_slots = np.concatenate([inputs.lora_slots, zeros])
+
+
 def pad_tokens(host: HostStep, num_tokens: int) -> None:
     """Append padding rows of one token each until the step holds `num_tokens` tokens, as a
     CUDA graph's padding rows: position 0, pool entry 0, no adapter, K/V written into slot 0
@@ -224,12 +234,8 @@ def pad_tokens(host: HostStep, num_tokens: int) -> None:
     pad = num_tokens - inp.positions.shape[0]
     if pad <= 0:
         return
-    zeros = np.zeros(pad, dtype=I64)
-    inp.positions = np.concatenate([inp.positions, zeros])
-    inp.pool_idx = np.concatenate([inp.pool_idx, zeros])
-    inp.slot_mapping = np.concatenate([inp.slot_mapping, zeros])
-    inp.lora_slots = np.concatenate([inp.lora_slots, zeros])
-    inp.seq_lens = np.concatenate([inp.seq_lens, zeros + 1])
+    pad_token_arrays(inp, pad)
+    inp.seq_lens = np.concatenate([inp.seq_lens, np.ones(pad, dtype=I64)])
     end = inp.query_start_loc[-1]
     inp.query_start_loc = np.concatenate([inp.query_start_loc, end + np.arange(1, pad + 1)])
     tables = inp.block_tables
