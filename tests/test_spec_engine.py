@@ -222,25 +222,36 @@ def test_shrink_returns_reserved_blocks_but_never_published_ones() -> None:
     kv.check_invariants()
 
 
+_END_KW = dict(model="photon-tiny", max_model_len=160, enable_prefix_caching=False)
+_END_PARAMS = SamplingParams(temperature=0, ignore_eos=True, max_tokens=96)
+
+
+@pytest.fixture(scope="module")
+def ending_at_max_len() -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts whose prompt + max_tokens is exactly max_model_len (160), and their greedy
+    tokens without speculation."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 4000) for _ in range(64)] for _ in range(4)]
+    prompts.append([5, 6, 7, 8] * 16)
+    want = [o.outputs[0].token_ids for o in
+            LLM(**_END_KW).generate(prompts, _END_PARAMS, use_tqdm=False)]
+    return prompts, want
+
+
 @pytest.mark.parametrize(("pipelined", "method"), [(True, "ngram"), (False, "ngram"),
                                                     (True, "draft_model")])
-def test_requests_ending_at_max_model_len_keep_the_engine_up(pipelined: bool,
-                                                             method: str) -> None:
+def test_requests_ending_at_max_model_len_keep_the_engine_up(
+        pipelined: bool, method: str,
+        ending_at_max_len: tuple[list[list[int]], list[list[int]]]) -> None:
     """Requests whose prompt + max_tokens is exactly max_model_len: a zombie row verifying
     drafts past the end moves the device length beyond the token pool's row, and the n-gram
     proposer after it must not index past the row (it crashed the engine with an IndexError).
     Outputs equal greedy decoding without speculation."""
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, 4000) for _ in range(64)] for _ in range(4)]
-    prompts.append([5, 6, 7, 8] * 16)
-    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=96)
-    kw = dict(model="photon-tiny", max_model_len=160, enable_prefix_caching=False)
+    prompts, want = ending_at_max_len
     spec: dict = {"method": method, "num_speculative_tokens": 3}
     if method == "draft_model":
         spec["model"] = "photon-tiny-draft"
-    want = [o.outputs[0].token_ids for o in
-            LLM(**kw).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(**kw, pipelined=pipelined, speculative_config=spec)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(**_END_KW, pipelined=pipelined, speculative_config=spec)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, _END_PARAMS, use_tqdm=False)]
     assert got == want and all(len(t) == 96 for t in got)
     llm.engine.assert_drained()

@@ -66,6 +66,26 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _check_decode_steps(llm: LLM) -> list[bool]:
+    """Check at every commit that the plan's `decode_step` (set while planning, what the
+    adaptive switch measures) is its definition over the step's rows: every row queries one
+    token or verifies the step's K_eff drafts, and no speculative request runs a plain row in a
+    step with K_eff > 0. Returns the flags in commit order."""
+    sched, flags = llm.engine.scheduler, []
+    commit = sched.commit
+
+    def checked(step, tokens, *args):  # noqa: ANN001, ANN002, ANN202
+        k = step.spec_k
+        want = all(r.num_tokens == r.spec + 1 and (r.spec == k or not q.spec_k)
+                   for r, q in zip(step.plan.rows, step.requests))
+        assert step.decode_step == want
+        flags.append(want)
+        return commit(step, tokens, *args)
+
+    sched.commit = checked
+    return flags
+
+
 def _count_ops(llm: LLM) -> dict[int, Counter]:
     """Per step number, the aten ops of the runner's launch and sample of that step."""
     runner = llm.engine.runner
@@ -105,7 +125,11 @@ def test_a_step_with_speculation_off_is_the_plain_step() -> None:
         return out
 
     spec.engine.scheduler.plan = recording_plan
+    kv, shrinks = spec.engine.scheduler.kv, []
+    shrink = kv.shrink
+    kv.shrink = lambda *a: (shrinks.append(a), shrink(*a))[1]
     out_s, audit_s = run(spec, specs)
+    assert not shrinks  # only a row that verified drafts reserves past the bound
     assert out_s == out_b
     assert audit_s.schedule == audit_b.schedule
     assert {k for _, k in choices} == {0}
@@ -153,7 +177,9 @@ def test_a_flapping_switch_with_ngram(on: int = 2, off: int = 2) -> None:
     base, _ = run(_llm(False), specs)
     llm_p, llm_b = _llm(True, K), _llm(False, K)
     policy_p, policy_b = _flapping(llm_p, on=on, off=off), _flapping(llm_b, on=on, off=off)
+    flags = _check_decode_steps(llm_p)
     pipelined, audit_p = run(llm_p, specs)
+    assert True in flags and False in flags
     blocking, audit_b = run(llm_b, specs)
     assert pipelined == blocking == base
     assert audit_p.schedule == audit_b.schedule and audit_p.row_spec == audit_b.row_spec
@@ -169,7 +195,9 @@ def test_preemption_and_aborts_with_a_flapping_switch() -> None:
     base, _ = run(_llm(False, **kw), specs)
     llms = [_llm(pipelined, K, **kw) for pipelined in (True, False)]
     policies = [_flapping(llm) for llm in llms]
+    flags = _check_decode_steps(llms[0])
     (first, audit), (blocking, audit_b) = [run(llm, specs) for llm in llms]
+    assert True in flags and False in flags
     assert first == blocking
     assert audit.schedule == audit_b.schedule and audit.row_spec == audit_b.row_spec
     assert audit.core.scheduler.num_preemptions > 0 and audit.zombie_rows > 0
@@ -233,7 +261,9 @@ def test_preemption_and_aborts_with_a_draft_model(target: str) -> None:
     base, _ = run(_draft_llm(target, None, True, **kw), specs)
     llms = [_draft_llm(target, target, pipelined, **kw) for pipelined in (True, False)]
     policies = [_flapping(llm) for llm in llms]
+    flags = _check_decode_steps(llms[0])
     (first, audit), (blocking, audit_b) = [run(llm, specs) for llm in llms]
+    assert True in flags and False in flags
     assert first == blocking
     assert audit.schedule == audit_b.schedule and audit.row_spec == audit_b.row_spec
     assert audit.core.scheduler.num_preemptions > 0 and audit.zombie_rows > 0

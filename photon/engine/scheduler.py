@@ -50,6 +50,10 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)  # plan.rows[i] is requests[i]'s
     admitted: list[Request] = field(default_factory=list)  # plan.new_requests[i] is admitted[i]
     spec_k: int = 0  # K_eff: the drafts the step's speculative rows verify
+    # A decode step whose time is a step time of its K_eff (the adaptive switch's measurement):
+    # every row queries one token or verifies the step's K_eff drafts, and no speculative
+    # request runs a plain row in a step with K_eff > 0 (it proposes drafts it did not verify).
+    decode_step: bool = True
 
 
 def speculates(req: Request, grammar_speculates: bool) -> bool:
@@ -404,6 +408,8 @@ class Scheduler(SchedulerCommit):
                                           self.kv.block_table(req.key)))
         out.requests.append(req)
         out.plan.num_tokens += num_new
+        if num_new != 1 or (out.spec_k and req.spec_k):
+            out.decode_step = False
         req.num_computed_tokens += num_new
         req.num_pending += int(sample)
         req.num_pending_max += int(sample)

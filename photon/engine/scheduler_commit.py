@@ -30,15 +30,6 @@ if TYPE_CHECKING:
 _NO_ENDS: dict[int, int] = {}  # never written
 
 
-def _measures_k_eff(step: SchedulerOutput) -> bool:
-    """A decode step whose time is a step time of its K_eff: every row queries one token or
-    verifies drafts, and every speculative request's row verifies the step's K_eff (not a plain
-    row of a step with K_eff > 0, which proposes drafts it did not verify)."""
-    k = step.spec_k
-    return all(r.num_tokens == r.spec + 1 and (r.spec == k or not q.spec_k)
-               for r, q in zip(step.plan.rows, step.requests))
-
-
 class SchedulerCommit:
     """The commit half of `Scheduler` (it owns the state; see its constructor)."""
 
@@ -78,12 +69,12 @@ class SchedulerCommit:
                     touched.append(req)
             req.inflight_refs -= 1
             if req.status is RequestStatus.RUNNING:
-                self._after_commit(req)
+                self._after_commit(req, row.spec > 0)
             elif req.inflight_refs == 0:
                 self._maybe_release(req)  # only preempted or finished requests release
         if self.spec_policy is not None and step.plan.rows:
             self.spec_policy.committed(step.plan.step, len(step.plan.rows), step.spec_k,
-                                       _measures_k_eff(step))
+                                       step.decode_step)
         return touched
 
     def _append_all(self, req: Request, row: ScheduledRow, toks: list[CommittedToken],
@@ -101,13 +92,15 @@ class SchedulerCommit:
             if req.finished:
                 break
 
-    def _after_commit(self, req: Request) -> None:
-        """Publish the committed, computed blocks; return the KV reserved past the new bound."""
+    def _after_commit(self, req: Request, verified: bool) -> None:
+        """Publish the committed, computed blocks; after a row that verified drafts, return the
+        KV reserved past the new bound (only such a row reserves past it: a plain row reserves
+        up to its end and the draft model's lookahead, which the bound keeps)."""
         committed = req.num_committed_tokens
         known = min(req.num_computed_tokens, committed)
         if self.kv.needs_publish(req.key, known):
             self.kv.cache_blocks(req.key, req.all_token_ids, known)
-        if req.spec_k and req.spec_live:
+        if verified and req.spec_live:
             bound = self._spec_reserve(req, committed + req.num_pending_max)
             self.kv.shrink(req.key, max(bound, req.num_computed_tokens))
 
