@@ -107,14 +107,15 @@ def _draw(row_ptr, vocab, temp, thr, m, z, seed, rejected, q_row, x_last, HAS_Q:
 @triton.jit(do_not_specialize_on_alignment=["temp_ptr", "keys_ptr", "counters_ptr", "thr_ptr",
                                             "num_draft_ptr", "accepted_ptr"])
 def _verify_kernel(logits_ptr, stride_row, stride_pos, vocab, K, temp_ptr, keys_ptr, counters_ptr,
-                   thr_ptr, draft_ptr, num_draft_ptr, q_ptr, tokens_ptr, accepted_ptr, greedy_eps,
-                   HAS_THRESHOLD: tl.constexpr, HAS_Q: tl.constexpr, BLOCK: tl.constexpr):
+                   param_stride, thr_ptr, draft_ptr, num_draft_ptr, q_ptr, tokens_ptr, accepted_ptr,
+                   greedy_eps, past_drafts, HAS_THRESHOLD: tl.constexpr, HAS_Q: tl.constexpr,
+                   BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    temp = tl.load(temp_ptr + row)
+    temp = tl.load(temp_ptr + row * param_stride)
     greedy = temp < greedy_eps
     temp = tl.where(greedy, 1.0, temp)
-    key = tl.load(keys_ptr + row).to(tl.int64)
-    ctr = tl.load(counters_ptr + row).to(tl.int64)
+    key = tl.load(keys_ptr + row * param_stride).to(tl.int64)
+    ctr = tl.load(counters_ptr + row * param_stride).to(tl.int64)
     num_draft = tl.load(num_draft_ptr + row).to(tl.int32)
     zero = tl.full([], 0, tl.int32)
     accepted = zero
@@ -149,18 +150,21 @@ def _verify_kernel(logits_ptr, stride_row, stride_pos, vocab, K, temp_ptr, keys_
     emitted = tl.where(greedy, top, drawn).to(tl.int64)
     for j in range(0, K + 1):
         d = tl.load(draft_ptr + row * K + j, mask=j < K, other=0).to(tl.int64)
-        tok = tl.where(j < accepted, d, tl.where(j == accepted, emitted, -1))
+        tok = tl.where(j < accepted, d,
+                       tl.where(j == accepted, emitted, tl.where(j > num_draft, past_drafts, -1)))
         tl.store(tokens_ptr + row * (K + 1) + j, tok)
     tl.store(accepted_ptr + row, accepted)
 
 
 def _thresholds(flat: torch.Tensor, width: int, batch: SamplingBatch,
                 greedy_eps: float) -> torch.Tensor | None:
-    """[B*(K+1)] keep thresholds of every scored position, or None when no row filters."""
+    """[B*(K+1)] keep thresholds of every scored position, or None when no row filters
+    (`width`: how many scored positions share one entry of `batch`)."""
     if batch.all_greedy or not (batch.any_min_p or batch.any_top_k or batch.any_top_p):
         return None
+
     def rep(t: torch.Tensor) -> torch.Tensor:
-        return t.repeat_interleave(width)
+        return t.repeat_interleave(width) if width > 1 else t[:flat.shape[0]]
 
     return filter_thresholds(flat, rep(batch.temperature), rep(batch.top_k), rep(batch.top_p),
                              rep(batch.min_p), use_top_k=batch.any_top_k,
@@ -169,9 +173,14 @@ def _thresholds(flat: torch.Tensor, width: int, batch: SamplingBatch,
 
 
 def verify(target_logits: torch.Tensor, draft_ids: torch.Tensor, num_draft: torch.Tensor,
-           draft_probs: torch.Tensor | None, batch: SamplingBatch, *,
-           greedy_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B, K+1] int64, num_accepted [B] int32): photon.spec.rejection.verify's contract."""
+           draft_probs: torch.Tensor | None, batch: SamplingBatch, *, greedy_eps: float,
+           per_position: bool = False, past_drafts: int = -1
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B, K+1] int64, num_accepted [B] int32): photon.spec.rejection.verify's contract.
+
+    per_position: `batch` holds one entry per scored position (B * (K+1), row b's K+1 in order,
+    equal within a row) instead of one per row; row b's parameters are those of entry b * (K+1).
+    past_drafts: the token stored at positions past a row's num_draft + 1 (-1 in the contract)."""
     rows, width, vocab = target_logits.shape
     k = width - 1
     logits = target_logits.float().contiguous()
@@ -180,12 +189,13 @@ def verify(target_logits: torch.Tensor, draft_ids: torch.Tensor, num_draft: torc
     accepted = torch.empty(rows, dtype=torch.int32, device=logits.device)
     if rows == 0:
         return tokens, accepted
-    thr = _thresholds(logits.view(rows * width, vocab), width, batch, greedy_eps)
+    thr = _thresholds(logits.view(rows * width, vocab), 1 if per_position else width, batch,
+                      greedy_eps)
     q = draft_probs.float().contiguous() if draft_probs is not None else None
     _verify_kernel[(rows,)](
         logits, logits.stride(0), logits.stride(1), vocab, k, batch.temperature, batch.keys,
-        batch.counters, thr if thr is not None else batch.temperature, drafts, num_draft,
-        q if q is not None else logits, tokens, accepted, greedy_eps,
-        HAS_THRESHOLD=thr is not None, HAS_Q=q is not None, BLOCK=min(1024, _block(vocab)),
-        num_warps=8)
+        batch.counters, width if per_position else 1, thr if thr is not None else
+        batch.temperature, drafts, num_draft, q if q is not None else logits, tokens, accepted,
+        greedy_eps, past_drafts, HAS_THRESHOLD=thr is not None, HAS_Q=q is not None,
+        BLOCK=min(1024, _block(vocab)), num_warps=8)
     return tokens, accepted

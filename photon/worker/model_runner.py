@@ -426,7 +426,7 @@ class ModelRunner:
         rows of speculative requests included) takes the plain path."""
         spec = self.spec
         if spec is not None and h.host.widths is not None:
-            spec.advance(tokens, h.dev, self.token_pool)
+            spec.advance(tokens, h.dev, self.token_pool, h.host.spec_k, h.host.only_spec)
         else:
             self.token_pool.view(-1)[h.dev.sample_pool_idx] = tokens.to(torch.int32)
             if spec is not None:

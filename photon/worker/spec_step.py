@@ -31,7 +31,7 @@ from photon.spec.proposer import ProposeContext, build_proposer
 from photon.spec.rejection import verify
 from photon.spec.stats import SpecDecodingStats
 from photon.structured.bitmask import TokenMask
-from photon.worker.sampler import Sampler, SamplingBatch
+from photon.worker.sampler import GREEDY_EPS, Sampler, SamplingBatch
 
 NO_DRAFT = -2  # a speculative row's sampling row past its drafts (-1: a draft not reached)
 
@@ -113,34 +113,59 @@ class SpecDecoder:
                 sampler.apply_mask(spec_scores, TokenMask(mask.bits[v], mask.tail[v]))
             tokens = sampler.draw(scores, batch, owned)
         spec_scores = spec_scores.view(num_spec, k + 1, -1)
+        verified = (self._verify_fused(spec_scores, batch, dev, pool, k, only_spec) if self.fused
+                    else self._verify(spec_scores, batch, dev, pool, k))
+        if tokens is None:
+            return verified, raw
+        tokens[v] = verified
+        return tokens, raw
+
+    def _verify(self, scores: Tensor, batch: SamplingBatch, dev: StepInputs[Tensor],
+                pool: Tensor, k: int) -> Tensor:
+        """[S * (k+1)] the speculative rows' verified tokens (scores [S, k+1, V]), NO_DRAFT
+        past each row's drafts; torch ops (the fused path's oracle)."""
         req = dev.spec_reqs
         d = self.dev_len[req]
         drafts = pool.view(-1)[req[:, None] * self.pool_width
                                + (d[:, None] + self._j[None, :k]).clamp(
                                    max=self.pool_width - 1)].long()
-        v0 = dev.spec_vrows
-        first = replace(batch, temperature=batch.temperature[v0], top_k=batch.top_k[v0],
-                        top_p=batch.top_p[v0], min_p=batch.min_p[v0], keys=batch.keys[v0],
-                        counters=batch.counters[v0], token_bitmask=None)
         num_draft = self.num_draft[req].clamp(max=k)  # K_eff < K: the first K_eff drafts
-        out = verify(spec_scores, drafts, num_draft, None, first)
+        out = verify(scores, drafts, num_draft, None, _first_rows(batch, dev.spec_vrows))
         # Positions past the row's drafts (never emitted) carry NO_DRAFT instead of -1: the
         # commit counts the row's drafts from the one download it already makes.
         no_draft = self._j[None, :k + 1] > num_draft[:, None]
-        verified = torch.where(no_draft, NO_DRAFT, out.tokens).reshape(-1)
-        if tokens is None:
-            return verified, raw
-        tokens[v] = verified
-        return tokens, raw
+        return torch.where(no_draft, NO_DRAFT, out.tokens).reshape(-1)
+
+    def _verify_fused(self, scores: Tensor, batch: SamplingBatch, dev: StepInputs[Tensor],
+                      pool: Tensor, k: int, only_spec: bool) -> Tensor:
+        """`_verify` in two launches: the drafts gathered from the pool, then the verification
+        kernel, which writes NO_DRAFT itself and, in a step of speculative rows only, reads
+        each row's parameters from its first sampling row's entry (no gathers)."""
+        from photon.kernels import spec_step, spec_verify  # import triton: only when fused
+
+        drafts, num_draft = spec_step.gather_drafts(pool, self.dev_len, self.num_draft,
+                                                    dev.spec_reqs, k, self.pool_width)
+        params = batch if only_spec else _first_rows(batch, dev.spec_vrows)
+        tokens, _ = spec_verify.verify(scores, drafts, num_draft, None, params,
+                                       greedy_eps=GREEDY_EPS, per_position=only_spec,
+                                       past_drafts=NO_DRAFT)
+        return tokens.view(-1)
 
     def advance_plain(self, dev: StepInputs[Tensor]) -> None:
         """After a step without speculative rows (its tokens are in the pool): the new lengths.
         Each sampling row added one token at seq_len."""
         self.dev_len[dev.pool_rows] = dev.sample_seq_lens + 1
 
-    def advance(self, tokens: Tensor, dev: StepInputs[Tensor], pool: Tensor) -> None:
+    def advance(self, tokens: Tensor, dev: StepInputs[Tensor], pool: Tensor, k: int,
+                only_spec: bool = False) -> None:
         """After a step's draw with speculative rows: its tokens into the pool, the new
-        lengths."""
+        lengths (`k`: the step's K_eff; `only_spec`: every sampling row is a speculative
+        row's, in row order, one launch when fused)."""
+        if only_spec and self.fused:
+            from photon.kernels import spec_step  # imports triton: only when fused
+
+            spec_step.advance(tokens, pool, self.dev_len, dev, k)
+            return
         flat = pool.view(-1)
         idx = dev.sample_pool_idx
         keep = tokens >= 0
@@ -160,6 +185,12 @@ class SpecDecoder:
         # with no room left, so such a row is shown at max_model_len.
         seen = lens.clamp(max=self.max_model_len)
         prop = self.proposer.propose(ProposeContext(pool, req, seen, self.k, self.fused))
+        if self.fused:
+            from photon.kernels import spec_step  # imports triton: only when fused
+
+            spec_step.write_proposals(pool, self.dev_len, self.num_draft, req, prop.draft_ids,
+                                      prop.num_draft, self.k, self.pool_width)
+            return
         num = prop.num_draft.long()
         j = self._j[None, :self.k]
         idx = req[:, None] * self.pool_width + (lens[:, None] + j).clamp(max=self.pool_width - 1)
@@ -179,3 +210,10 @@ class SpecDecoder:
                 self.counters.observe(w - 1 - row.count(NO_DRAFT),
                                       sum(t >= 0 for t in row) - 1)
             at += w
+
+
+def _first_rows(batch: SamplingBatch, v0: Tensor) -> SamplingBatch:
+    """The parameters of each speculative row: those of its first sampling row (v0)."""
+    return replace(batch, temperature=batch.temperature[v0], top_k=batch.top_k[v0],
+                   top_p=batch.top_p[v0], min_p=batch.min_p[v0], keys=batch.keys[v0],
+                   counters=batch.counters[v0], token_bitmask=None)
