@@ -1,4 +1,5 @@
-"""Vectorized host preparation for decode-only steps (the steady state of serving).
+"""Vectorized host preparation for decode-only steps (the steady state of serving) and for
+speculative decode steps (every row verifying the same K_eff drafts).
 
 A decode step gathers its inputs from the `RequestTable` (per request index: block table,
 sampling constants, how far the pool holds tokens) with a handful of numpy operations instead of
@@ -66,3 +67,33 @@ def _pool_writes(req: np.ndarray, seq_lens: np.ndarray, table: RequestTable, poo
 
 def is_plain_decode(rows: list[ScheduledRow]) -> bool:
     return all(r.num_tokens == 1 and r.sample and not r.speculative for r in rows)
+
+
+def build_spec_inputs(rows: list[ScheduledRow], table: RequestTable, k: int, pool_width: int,
+                      block_size: int) -> HostStep:
+    """Every row is a speculative row verifying `k` drafts (`spec_graphs.uniform_spec_k`): k + 1
+    query tokens and sampling rows each, every token in the pool, positions resolved on the
+    device (placeholders here, as in the general path). Block tables come from the rows' own
+    block lists (a speculative row's list may be longer than the table's synced copy)."""
+    n, w = len(rows), k + 1
+    req = np.fromiter((r.req_index for r in rows), dtype=I64, count=n)
+    seq_lens = np.fromiter((r.seq_len for r in rows), dtype=I64, count=n)
+    out_index = np.fromiter((r.out_index for r in rows), dtype=I64, count=n)
+    width = max(max(len(r.block_ids), -(-r.seq_len // block_size)) for r in rows)
+    tables = np.zeros((n, width), dtype=I64)
+    for i, r in enumerate(rows):
+        tables[i, :len(r.block_ids)] = r.block_ids
+    vreq, counters, vlens = (np.repeat(a, w) for a in (req, out_index, seq_lens))
+    g = table.gather(vreq, counters)
+    ban_rows, ban_tokens, ban_until = table.min_tokens_bans(vreq, g.below_min_tokens)
+    bias_rows, bias_tokens, bias_values = table.logit_bias(vreq, g.biased)
+    zeros, steps = np.zeros(n * w, dtype=I64), np.arange(n * w, dtype=I64)
+    rows_at = np.arange(n, dtype=I64)
+    inputs = StepInputs(
+        zeros, np.repeat(req * pool_width, w), zeros.copy(), _NONE, _NONE, seq_lens,
+        np.arange(n + 1, dtype=I64) * w, tables, steps, g.top_k, g.keys, counters, vreq,
+        g.prompt_lens, vlens, vreq * pool_width + vlens, ban_rows, ban_tokens, ban_until,
+        bias_rows, bias_tokens, _NONE, _NONE, rows_at, req, rows_at * w,
+        req[table.spec[req] > 0], np.repeat(table.lora[req], w), *g.floats, bias_values)
+    return HostStep(inputs, seq_lens.tolist(), [w] * n, w == 1, list(range(n)), g.flags,
+                    (req, np.full(n, pool_width, dtype=I64)), [], [w] * n, k)

@@ -47,7 +47,7 @@ from photon.spec.draft_config import draft_model_config
 from photon.structured.backend import bitmask_width
 from photon.structured.bitmask import MaskViews, TokenMask, mask_numel
 from photon.worker.cuda_graph import GraphModel, staged_rows
-from photon.worker.decode_inputs import build_decode_inputs, is_plain_decode
+from photon.worker.decode_inputs import build_decode_inputs, build_spec_inputs, is_plain_decode
 from photon.worker.draft_runner import DraftRunner, kv_block_bytes
 from photon.worker.inputs import HostStep, build_step_inputs, pad_tokens
 from photon.worker.kv_sizing import usable_blocks
@@ -57,7 +57,7 @@ from photon.worker.probe import StepProbe
 from photon.worker.request_table import RequestTable
 from photon.worker.sampler import Sampler, SamplingBatch, token_logprobs
 from photon.worker.slots import StepSlot, Streams
-from photon.worker.spec_graphs import StepGraphs
+from photon.worker.spec_graphs import StepGraphs, uniform_spec_k
 from photon.worker.spec_step import SpecDecoder
 from photon.worker.step_results import (
     PreparedStep,
@@ -254,6 +254,8 @@ class ModelRunner:
             self.table.sync_blocks(rows)
             host = build_decode_inputs(rows, self.table, self.block_size, self.pool_width,
                                        self.draft_lookahead)
+        elif (k := uniform_spec_k(rows)) is not None:
+            host = build_spec_inputs(rows, self.table, k, self.pool_width, self.block_size)
         else:
             host = build_step_inputs(rows, self.table, self.block_size, self.pool_width)
         idx, valid = host.pool_valid
