@@ -146,3 +146,30 @@ def test_steps_carrying_a_prompt_chunk_verify_no_drafts(pipelined: bool) -> None
              if i + 1 < len(audit.schedule) and i + 1 not in chunks]
     assert any(K in rows for rows in after)  # drafts proposed in the mixed step are verified
     assert _accepted(llm) > 0
+
+
+class _Times:
+    """Fixed step times per K_eff."""
+
+    def __init__(self, times: dict[int, float]) -> None:
+        self.times = times
+
+    def step_time(self, batch_size: int, k: int) -> float:
+        return self.times[k]
+
+    def observe(self, batch_size: int, k: int, seconds: float) -> None:
+        pass
+
+
+def test_speculation_needs_a_margin_over_the_plain_step() -> None:
+    """K_eff > 0 only when its predicted rate beats K_eff = 0's by more than the margin: a
+    K_eff the model rates about even (the case that lost in practice, its side costs left out)
+    keeps the plain step."""
+    from photon.spec.stats import SpecDecodingStats
+
+    stats = SpecDecodingStats(1000, 1000, 900, [900])  # draft 1 accepted 90% of the time
+    even = _Times({0: 1.0, 1: 1.88})  # E(1) = 1.9: 1.9 / 1.88 = 1.01x the plain rate
+    assert AdaptiveSpec(1, stats, even).choose(64) == 0
+    assert AdaptiveSpec(1, stats, even, margin=0.0).choose(64) == 1
+    clear = _Times({0: 1.0, 1: 1.5})  # 1.27x
+    assert AdaptiveSpec(1, stats, clear).choose(64) == 1

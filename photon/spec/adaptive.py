@@ -9,7 +9,11 @@ second,
 where a_j is the share of draft runs whose draft j was accepted (the engine's running
 per-position counts, `SpecDecodingStats`; prior pseudo-counts before any exist) and T(B, k) the
 step time a `StepCostModel` predicts for B rows verifying k drafts. K_eff = 0 is the plain
-decode step: the scheduler plans plain rows for the requests whose length the host knows.
+decode step: the scheduler plans plain rows for the requests whose length the host knows. It
+speculates (K_eff > 0) only when the best rate beats the plain step's, 1 / T(B, 0), by more
+than `SWITCH_MARGIN`: a speculating batch has costs its decode-step times leave out (requests
+finish on different steps, so refills land in mixed steps beside speculative rows; the first
+step after a switch verifies nothing), so a K_eff the model rates about even with 0 loses.
 
 `MeasuredCostModel`, the default, keeps an online estimate of T per (batch-size bucket, k) from
 the times between consecutive committed decode steps, and predicts unmeasured entries with a
@@ -30,6 +34,7 @@ from photon.spec.stats import SpecDecodingStats
 
 PRIOR_RUNS = 8  # pseudo draft runs of the acceptance prior
 PRIOR_ACCEPT = 0.6  # prior acceptance of each draft given the previous ones
+SWITCH_MARGIN = 0.1  # K_eff > 0 must beat the plain step's predicted rate by this fraction
 
 
 class StepCostModel(Protocol):
@@ -88,6 +93,7 @@ class AdaptiveSpec:
     acceptance: SpecDecodingStats  # the engine's running counts (updated at each commit)
     cost: StepCostModel = field(default_factory=MeasuredCostModel)
     clock: Callable[[], float] = time.perf_counter
+    margin: float = SWITCH_MARGIN
     _last_commit: tuple[int, float] | None = None  # (step number, time) of the last commit
 
     def expected_tokens(self, k: int) -> float:
@@ -99,9 +105,10 @@ class AdaptiveSpec:
                          for j in range(k))
 
     def choose(self, batch_size: int) -> int:
-        """K_eff for a step of `batch_size` speculative rows (ties: fewer drafts)."""
-        best, best_rate = 0, 0.0
-        for k in range(self.k + 1):
+        """K_eff for a step of `batch_size` speculative rows (ties: fewer drafts; K_eff > 0
+        only with a predicted gain over 0 of more than `margin`)."""
+        best, best_rate = 0, (1 + self.margin) / self.cost.step_time(batch_size, 0)
+        for k in range(1, self.k + 1):
             rate = self.expected_tokens(k) / self.cost.step_time(batch_size, k)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate
