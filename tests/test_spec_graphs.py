@@ -65,12 +65,12 @@ def test_bucket_choice_and_eager_fallback(monkeypatch: pytest.MonkeyPatch) -> No
     g = SpecGraphs(_Fwd(), [1, 3], max_batch=8, max_tokens=20, max_blocks=9, max_model_len=32,
                    device=torch.device("cpu"))
     assert g.batches == {1: [1, 2, 4, 8], 3: [1, 2, 4, 5]}
-    assert g.bucket([_row(3)] * 3, 4) == SpecKey(4, 9, 3)
-    assert g.bucket([_row(1)] * 5, 9) == SpecKey(8, 9, 1)
-    assert g.bucket([_row(3)] * 6, 4) is None  # more rows than the token budget's graphs
-    assert g.bucket([_row(2)] * 2, 4) is None  # K_eff 2 is not captured
-    assert g.bucket([_row(3)] * 2, 10) is None  # wider than any block table
-    assert g.bucket([_row(3), _row(1)], 4) is None  # mixed K_eff: eager
+    assert g.bucket(3, 3, 4) == SpecKey(4, 9, 3)
+    assert g.bucket(1, 5, 9) == SpecKey(8, 9, 1)
+    assert g.bucket(3, 6, 4) is None  # more rows than the token budget's graphs
+    assert g.bucket(2, 2, 4) is None  # K_eff 2 is not captured
+    assert g.bucket(3, 2, 10) is None  # wider than any block table
+    assert g.bucket(uniform_spec_k([_row(3), _row(1)]), 2, 4) is None  # mixed K_eff: eager
     assert g.static.pool_idx.numel() == 20 and g.static.seq_lens.numel() == 8
     meta = g.metadata(SpecKey(4, 9, 3))
     assert meta.query_lens_host == [4] * 4 and meta.seq_lens_host == [32] * 4

@@ -65,15 +65,22 @@ def resolve(dev_len: torch.Tensor, dev: StepInputs[torch.Tensor], num_rows: int,
 
 
 @triton.jit
+def _draft_entries(dev_len_ptr, reqs_ptr, b, pool_width, BLOCK_J: tl.constexpr):
+    """(request, [BLOCK_J] draft positions j, their pool entries): program b's request and its
+    pool row's entries at dev_len + j, clamped to the row (where drafts are read and written)."""
+    req = tl.load(reqs_ptr + b)
+    j = tl.arange(0, BLOCK_J).to(tl.int64)
+    d = tl.load(dev_len_ptr + req)
+    return req, j, req * pool_width + tl.minimum(d + j, pool_width - 1)
+
+
+@triton.jit
 def _gather_drafts_kernel(pool_ptr, dev_len_ptr, num_draft_ptr, reqs_ptr, drafts_ptr, num_ptr, k,
                           pool_width, BLOCK_J: tl.constexpr):
     s = tl.program_id(0)
-    req = tl.load(reqs_ptr + s)
-    d = tl.load(dev_len_ptr + req)
-    j = tl.arange(0, BLOCK_J).to(tl.int64)
+    req, j, entry = _draft_entries(dev_len_ptr, reqs_ptr, s, pool_width, BLOCK_J)
     live = j < k
-    tok = tl.load(pool_ptr + req * pool_width + tl.minimum(d + j, pool_width - 1), mask=live,
-                  other=0)
+    tok = tl.load(pool_ptr + entry, mask=live, other=0)
     tl.store(drafts_ptr + s * k + j, tok.to(tl.int64), mask=live)
     tl.store(num_ptr + s, tl.minimum(tl.load(num_draft_ptr + req), k).to(tl.int32))
 
@@ -123,14 +130,11 @@ def advance(tokens: torch.Tensor, pool: torch.Tensor, dev_len: torch.Tensor,
 def _write_proposals_kernel(pool_ptr, dev_len_ptr, num_draft_ptr, reqs_ptr, draft_ptr, num_ptr,
                             k, pool_width, BLOCK_J: tl.constexpr):
     b = tl.program_id(0)
-    req = tl.load(reqs_ptr + b)
-    d = tl.load(dev_len_ptr + req)
+    req, j, entry = _draft_entries(dev_len_ptr, reqs_ptr, b, pool_width, BLOCK_J)
     num = tl.load(num_ptr + b)
-    j = tl.arange(0, BLOCK_J).to(tl.int64)
     live = j < num
     tok = tl.load(draft_ptr + b * k + j, mask=live, other=0)
-    tl.store(pool_ptr + req * pool_width + tl.minimum(d + j, pool_width - 1), tok.to(tl.int32),
-             mask=live)
+    tl.store(pool_ptr + entry, tok.to(tl.int32), mask=live)
     tl.store(num_draft_ptr + req, num.to(tl.int64))
 
 

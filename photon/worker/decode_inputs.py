@@ -96,4 +96,5 @@ def build_spec_inputs(rows: list[ScheduledRow], table: RequestTable, k: int, poo
         bias_rows, bias_tokens, _NONE, _NONE, rows_at, req, rows_at * w,
         req[table.spec[req] > 0], np.repeat(table.lora[req], w), *g.floats, bias_values)
     return HostStep(inputs, seq_lens.tolist(), [w] * n, w == 1, list(range(n)), g.flags,
-                    (req, np.full(n, pool_width, dtype=I64)), [], [w] * n, k)
+                    (req, np.full(n, pool_width, dtype=I64)), [], [w] * n, k,
+                    uniform_spec=True)

@@ -51,6 +51,9 @@ class HostStep:
     spec_k: int = 0  # K_eff of the step's speculative rows (all verify as many drafts)
     padding: int = 0  # padding rows (one token each) after the step's rows: pad_tokens
     bucket: int = 0  # the piecewise graphs' token bucket the step runs in (0: op by op)
+    # Every row a speculative row verifying spec_k drafts (decode_inputs.build_spec_inputs,
+    # which the runner uses for every such step): the speculative graphs' steps.
+    uniform_spec: bool = False
 
     @property
     def only_spec(self) -> bool:

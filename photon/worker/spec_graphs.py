@@ -98,13 +98,13 @@ class SpecGraphs:
         self.graphs: dict[SpecKey, Captured] = {}
         self.replays = 0
 
-    def bucket(self, rows: list[ScheduledRow], width: int) -> SpecKey | None:
-        """The graph of a speculative decode step, or None: it runs eagerly."""
-        k = uniform_spec_k(rows)
+    def bucket(self, k: int | None, num_rows: int, width: int) -> SpecKey | None:
+        """The graph of a speculative decode step of `num_rows` rows each verifying `k` drafts
+        (None: not such a step), or None: it runs eagerly."""
         batches = self.batches.get(k) if k is not None else None
-        if not batches or len(rows) > batches[-1] or width > self.widths[-1]:
+        if not batches or num_rows > batches[-1] or width > self.widths[-1]:
             return None
-        return SpecKey(batches[bisect.bisect_left(batches, len(rows))],
+        return SpecKey(batches[bisect.bisect_left(batches, num_rows)],
                        self.widths[bisect.bisect_left(self.widths, width)], k)
 
     def metadata(self, key: SpecKey) -> AttentionMetadata:
@@ -191,7 +191,8 @@ class StepGraphs:
             if key is not None:
                 pad_rows(host.inputs, *key, 1)
             return key
-        key = self.spec.bucket(rows, width) if self.spec is not None else None
+        k = host.spec_k if host.uniform_spec else None  # build_spec_inputs' steps
+        key = self.spec.bucket(k, len(rows), width) if self.spec is not None else None
         if key is not None:
             pad_rows(host.inputs, key.batch, key.width, key.k + 1)
         return key
