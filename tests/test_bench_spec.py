@@ -66,9 +66,9 @@ def test_step_recorder_times_consecutive_decode_steps_by_k() -> None:
 
 
 def _cell(method: str, k: int, adaptive: bool, tok_s: float, step: dict[int, float],
-          rates: list[float] | None = None) -> Cell:
+          rates: list[float] | None = None, batch_size: int = 4) -> Cell:
     accept = None if rates is None else expected_tokens(rates, k)
-    return Cell(method, k, adaptive, 4, 100, 100 / tok_s, tok_s, step, dict.fromkeys(step, 10),
+    return Cell(method, k, adaptive, batch_size, 100, 100 / tok_s, tok_s, step, dict.fromkeys(step, 10),
                 mean_acceptance_length=accept, acceptance_rate_per_pos=rates)
 
 
@@ -87,6 +87,21 @@ def test_predicted_speedup_fixed_and_adaptive() -> None:
     # adaptive: the best of k = 0 (1.0), k = 1 (1.6 / 1.2 from the fixed K=1 cell's step time)
     # and k = 2 (1.9 / 2.0), from its own acceptance rates
     assert adaptive.predicted_speedup == pytest.approx(1.6 / 1.2)
+
+
+def test_paired_baseline_sets_the_speedup_and_t0() -> None:
+    """A cell with baseline runs of its own takes its speedup and T(B, 0) from them, not from
+    the no-speculation cell measured earlier (the machine's speed may have drifted since)."""
+    cells = [_cell(NO_SPEC, 0, False, 100.0, {0: 1.0}),
+             _cell("ngram", 1, False, 150.0, {1: 1.2}, [0.8]),
+             _cell("ngram", 1, False, 150.0, {1: 1.2}, [0.8], batch_size=2)]
+    paired = cells[1]
+    paired.baseline_tokens_per_s, paired.baseline_step_time_s = 75.0, 0.9
+    fill_speedups(cells)
+    assert paired.speedup == pytest.approx(2.0)
+    assert paired.predicted_speedup == pytest.approx(1.8 * 0.9 / 1.2)
+    # no baseline runs and no no-speculation cell at its B: nothing to compare with
+    assert cells[2].speedup is None and cells[2].predicted_speedup is None
 
 
 def test_rows_without_drafts_lower_the_prediction() -> None:
@@ -182,10 +197,14 @@ def test_cli_small_matrix(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
             assert c["speedup"] == 1.0 and c["mean_acceptance_length"] is None
             assert c["acceptance_rate_per_pos"] is None and c["predicted_speedup"] is None
             assert set(c["step_time_s"]) == {"0"}
+            assert c["baseline_tokens_per_s"] is None
         else:
             assert 1.0 <= c["mean_acceptance_length"] <= k + 1
             assert len(c["acceptance_rate_per_pos"]) == k
-            assert c["speedup"] > 0
+            # paired (the default): the speedup is over the baseline runs framing the cell
+            assert c["baseline_tokens_per_s"] > 0 and c["baseline_step_time_s"] > 0
+            assert c["speedup"] == pytest.approx(c["output_tokens_per_s"]
+                                                 / c["baseline_tokens_per_s"])
 
 
 def test_output_lengths_are_seeded_and_in_range() -> None:
@@ -206,10 +225,15 @@ def test_cli_output_lengths_vary_and_are_generated(capsys: pytest.CaptureFixture
                  "--batch-sizes", "2", "--num-speculative-tokens", "2",
                  "--adaptive-num-speculative-tokens", "--input-len", "8", "--output-len", "6",
                  "--output-len-range-ratio", "0.5", "--requests-per-slot", "3",
-                 "--warmup-tokens", "0", "--output-json", str(out_json)])
+                 "--warmup-tokens", "0", "--no-paired", "--output-json", str(out_json)])
     assert code == 0, capsys.readouterr().err
     summary = json.loads(out_json.read_text())
     assert summary["output_len_range_ratio"] == 0.5
+    # --no-paired: no baseline runs; the speedup is over the no-speculation cell
+    none, ngram = summary["cells"]
+    assert none["baseline_tokens_per_s"] is None is ngram["baseline_tokens_per_s"]
+    assert ngram["speedup"] == pytest.approx(ngram["output_tokens_per_s"]
+                                             / none["output_tokens_per_s"])
     want = sum(output_lengths(6, 6, 0.5, 0))
     assert [c["output_tokens"] for c in summary["cells"]] == [want, want]
     assert main(["bench", "spec", "--device", "cpu", "--output-len-range-ratio", "1"]) != 0

@@ -14,6 +14,13 @@ tokens do not depend on the engine's history. The one state that carries over is
 switch's (its measured step times per batch-size bucket and running acceptance counts), as in a
 server that has been running; its warm-up at each B lets it measure that B.
 
+Paired runs (`--paired`, the default): the no-speculation engine, built first, stays alive
+beside each speculative engine, and each speculative cell's timed call is framed by a timed call
+of the same requests on it, right before and right after. The cell's speedup and T(B, 0) come
+from those two runs, so a machine whose speed drifts from one minute to the next (host clocks,
+other tenants) shifts both sides of the ratio alike; the no-speculation cells of the table are
+its own cells, measured first.
+
 Each cell reports output tokens/s (output tokens / wall time of the generate call, prefill
 included), the speculative counters of the timed call (mean acceptance length, per-position
 acceptance), the median decode step time by K_eff, the speedup over no speculation at the same
@@ -27,13 +34,16 @@ import argparse
 import dataclasses
 import gc
 import json
+import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from photon.bench.serve_workload import length_bounds
 from photon.bench.spec_report import (
+    NO_SPEC,
     Cell,
     SpecSetting,
     StepRecorder,
@@ -92,6 +102,11 @@ def add_parser(bench_sub: Any) -> None:
     g.add_argument("--warmup-tokens", type=int, default=16,
                    help="Output tokens of the longer warm-up requests (0: no warm-up; default "
                         "16).")
+    g.add_argument("--paired", action=argparse.BooleanOptionalAction, default=True,
+                   help="Time the no-speculation engine right before and after each "
+                        "speculative cell (it stays alive beside the cell's engine) and take "
+                        "the cell's speedup and T(B, 0) from those runs (default on; "
+                        "--no-paired: from the no-speculation cells, measured first).")
     g.add_argument("--prompt-seed", type=int, default=0,
                    help="Seed of the random prompts (default 0).")
     g.add_argument("--output-json", default=None, metavar="PATH",
@@ -149,19 +164,25 @@ def run_spec(ns: argparse.Namespace) -> int:
     batch_sizes = sorted(set(ns.batch_sizes))
     cells: list[Cell] = []
     errors: list[dict[str, str]] = []
+    baseline: _Engine | None = None
     with tempfile.TemporaryDirectory(prefix="photon-bench-") as workdir:
         args = _engine_args(bench_engine_args(ns, workdir), ns)
         count = ns.requests_per_slot * max(batch_sizes)
         prompts, source = _prompts(ns, args, count)
         lengths = output_lengths(count, ns.output_len, ns.output_len_range_ratio, ns.prompt_seed)
+        work = _Workload(prompts, lengths, batch_sizes, ns)
         for setting in matrix:
             try:
-                cells += _run_setting(args, setting, ns, prompts, lengths, batch_sizes)
+                got, kept = _run_setting(args, setting, work, baseline)
+                cells += got
+                baseline = kept or baseline
             except Exception as e:  # noqa: BLE001 - the other settings still run and report
                 errors.append({"setting": setting.label, "error": f"{type(e).__name__}: {e}"})
                 _log(f"{setting.label} failed: {errors[-1]['error']}")
             # Written after every setting, so a run stopped part-way keeps what it measured.
             _summary_line(ns, args, source, cells, errors, complete=False)
+        del baseline
+        _free_memory()
     line = _summary_line(ns, args, source, cells, errors, complete=True)
     print(table(cells), flush=True)
     print(line, flush=True)
@@ -218,7 +239,42 @@ def _prompts(ns: argparse.Namespace, args: Any, count: int) -> tuple[list[list[i
     return random_prompts(count, ns.input_len, vocab, ns.prompt_seed), "random"
 
 
-def _build(args: Any, setting: SpecSetting, draft: str | None) -> tuple[Any, StepRecorder]:
+@dataclass
+class _Workload:
+    prompts: list[list[int]]
+    lengths: list[int]
+    batch_sizes: list[int]
+    ns: argparse.Namespace
+
+    def at(self, b: int) -> tuple[list[list[int]], list[int]]:
+        """The requests of a cell of batch size `b`: N x B of them."""
+        n = self.ns.requests_per_slot * b
+        return self.prompts[:n], self.lengths[:n]
+
+
+@dataclass
+class _Engine:
+    llm: Any
+    recorder: StepRecorder
+
+    def timed(self, prompts: list[list[int]], lengths: list[int], b: int
+              ) -> tuple[int, float, list[float]]:
+        """One timed generate call at most `b` requests at a time: (output tokens, seconds, the
+        times of its decode steps of `b` rows). The commits recorded are the call's alone."""
+        self.llm.engine.scheduler.max_running = b
+        self.recorder.commits.clear()
+        _sync(self.llm)
+        start = time.perf_counter()
+        got = _generate(self.llm, prompts, lengths)
+        _sync(self.llm)
+        elapsed = time.perf_counter() - start
+        if got != sum(lengths):
+            raise RuntimeError(f"generated {got} output tokens, the cell asked for "
+                               f"{sum(lengths)}")
+        return got, elapsed, self.recorder.step_times(b).get(0, [])
+
+
+def _build(args: Any, setting: SpecSetting, draft: str | None) -> _Engine:
     from photon.llm import LLM
 
     kwargs = dataclasses.asdict(args)
@@ -227,22 +283,28 @@ def _build(args: Any, setting: SpecSetting, draft: str | None) -> tuple[Any, Ste
     scheduler = llm.engine.scheduler
     recorder = StepRecorder(setting.k, scheduler.spec_policy)
     scheduler.spec_policy = recorder
-    return llm, recorder
+    return _Engine(llm, recorder)
 
 
-def _run_setting(args: Any, setting: SpecSetting, ns: argparse.Namespace,
-                 prompts: list[list[int]], lengths: list[int], batch_sizes: list[int]
-                 ) -> list[Cell]:
+def _run_setting(args: Any, setting: SpecSetting, work: _Workload, baseline: _Engine | None
+                 ) -> tuple[list[Cell], _Engine | None]:
+    """The setting's cells, and its engine when it is the paired runs' baseline (no
+    speculation with --paired: kept alive for the settings after it)."""
     start = time.perf_counter()
-    llm, recorder = _build(args, setting, ns.draft)
+    engine = _build(args, setting, work.ns.draft)
     _log(f"engine {setting.label}: built in {time.perf_counter() - start:.1f} s")
+    keep = work.ns.paired and setting.method == NO_SPEC
     try:
-        n = ns.requests_per_slot
-        return [_run_cell(llm, recorder, setting, prompts[:n * b], lengths[:n * b], b, ns)
-                for b in batch_sizes]
+        pair = None if setting.method == NO_SPEC else baseline
+        cells = [_run_cell(engine, setting, work, b, pair) for b in work.batch_sizes]
+    except BaseException:
+        keep = False
+        raise
     finally:
-        del llm
-        _free_memory()
+        if not keep:
+            del engine
+            _free_memory()
+    return cells, engine if keep else None
 
 
 def _free_memory() -> None:
@@ -281,25 +343,26 @@ def _warm_up(llm: Any, prompts: list[list[int]], b: int, tokens: int) -> None:
               [tokens if i % 2 == 0 else max(1, tokens // 2) for i in range(count)])
 
 
-def _run_cell(llm: Any, recorder: StepRecorder, setting: SpecSetting,
-              prompts: list[list[int]], lengths: list[int], b: int,
-              ns: argparse.Namespace) -> Cell:
-    llm.engine.scheduler.max_running = b
+def _run_cell(engine: _Engine, setting: SpecSetting, work: _Workload, b: int,
+              baseline: _Engine | None) -> Cell:
+    """One cell: the warm-up, then the timed call (framed by the baseline's when paired)."""
+    llm, ns = engine.llm, work.ns
+    prompts, lengths = work.at(b)
     if ns.warmup_tokens:
+        llm.engine.scheduler.max_running = b
         _warm_up(llm, prompts, b, ns.warmup_tokens)
-    recorder.commits.clear()
+    before_base = baseline.timed(prompts, lengths, b) if baseline is not None else None
     before = llm.engine.spec_stats()
-    _sync(llm)
-    start = time.perf_counter()
-    got = _generate(llm, prompts, lengths)
-    _sync(llm)
-    elapsed = time.perf_counter() - start
-    if got != sum(lengths):
-        raise RuntimeError(f"generated {got} output tokens, the cell asked for {sum(lengths)}")
-    step_time, steps = summarize_steps(recorder, b)
+    got, elapsed, _ = engine.timed(prompts, lengths, b)
+    step_time, steps = summarize_steps(engine.recorder, b)
     cell = Cell(setting.method, setting.k, setting.adaptive, b, got, elapsed, got / elapsed,
                 step_time, steps)
-    cell.step_kind_s, cell.step_kind_count = recorder.time_by_kind(b)
+    cell.step_kind_s, cell.step_kind_count = engine.recorder.time_by_kind(b)
+    if before_base is not None:
+        after_base = baseline.timed(prompts, lengths, b)
+        tokens, seconds, times = (a + z for a, z in zip(before_base, after_base))
+        cell.baseline_tokens_per_s = tokens / seconds
+        cell.baseline_step_time_s = statistics.median(times) if times else None
     after = llm.engine.spec_stats()
     if after is not None:
         stats = after.since(before)
@@ -308,5 +371,7 @@ def _run_cell(llm: Any, recorder: StepRecorder, setting: SpecSetting,
         cell.num_drafts, cell.num_draft_tokens = stats.num_drafts, stats.num_draft_tokens
         cell.num_accepted_tokens = stats.num_accepted_tokens
     _log(f"{setting.label} B={b}: {got / elapsed:.1f} tok/s"
-         + (f", mean acceptance length {cell.mean_acceptance_length:.3f}" if after else ""))
+         + (f", mean acceptance length {cell.mean_acceptance_length:.3f}" if after else "")
+         + (f", baseline {cell.baseline_tokens_per_s:.1f} tok/s"
+            if cell.baseline_tokens_per_s else ""))
     return cell

@@ -1,7 +1,9 @@
 """Pure parts of `photon bench spec`: settings, step times, cells, speedups, the table.
 
-A cell is one (method, K, adaptive, B) run. Its speedup is its output tokens/s over the no
-speculation cell's at the same B (same run). Its predicted speedup is the cost model's
+A cell is one (method, K, adaptive, B) run. Its speedup is its output tokens/s over no
+speculation's at the same B: over the baseline runs timed right before and after it when the
+cell has them (`Cell.baseline_tokens_per_s`, `photon bench spec --paired`), else over the no
+speculation cell's of the same run. Its predicted speedup is the cost model's
 (photon/spec/adaptive.py) from the cell's measured acceptance and the run's measured step times:
 
     fixed K:   E'(K) / T(B, K)  over  1 / T(B, 0)
@@ -11,7 +13,8 @@ E'(k) = p E(k) + (1 - p): a share p of the row-steps had drafts (`draft_share`; 
 without a match emits one token) and emit E(k) = 1 + a_0 + ... + a_{k-1} tokens, with a_j the
 cell's acceptance rate at draft position j (the engine's definition: accepted at j / draft
 runs). T(B, k) the median time between consecutive
-committed decode steps of B rows: T(B, 0) from the no-speculation cell, T(B, k) from the fixed
+committed decode steps of B rows: T(B, 0) from the cell's baseline runs (else the
+no-speculation cell), T(B, k) from the fixed
 K = k cell of the same method (the adaptive cell's own steps at K_eff = k when that cell is
 missing). The adaptive prediction is what its switch would get if it always picked the best k.
 """
@@ -137,6 +140,10 @@ class Cell:
     # Where the cell's time went (StepRecorder.time_by_kind): seconds and steps by step kind
     step_kind_s: dict[str, float] = field(default_factory=dict)
     step_kind_count: dict[str, int] = field(default_factory=dict)
+    # No speculation timed right before and after this cell (paired runs; None: not paired):
+    # output tokens/s of the two runs together and their median decode step time at B rows.
+    baseline_tokens_per_s: float | None = None
+    baseline_step_time_s: float | None = None
 
     @property
     def setting(self) -> SpecSetting:
@@ -168,6 +175,8 @@ def expected_tokens(rates: Sequence[float], k: int) -> float:
 
 def _step_time(cells: dict[tuple[SpecSetting, int], Cell], cell: Cell, k: int) -> float | None:
     if k == 0:
+        if cell.baseline_step_time_s is not None:
+            return cell.baseline_step_time_s
         base = cells.get((SpecSetting(NO_SPEC), cell.batch_size))
         return None if base is None else base.step_time_s.get(0)
     fixed = cells.get((SpecSetting(cell.method, k, False), cell.batch_size))
@@ -206,8 +215,10 @@ def fill_speedups(cells: list[Cell]) -> None:
     by_key = {(c.setting, c.batch_size): c for c in cells}
     for c in cells:
         base = by_key.get((SpecSetting(NO_SPEC), c.batch_size))
-        if base is not None and base.output_tokens_per_s > 0:
-            c.speedup = c.output_tokens_per_s / base.output_tokens_per_s
+        base_rate = (c.baseline_tokens_per_s if c.baseline_tokens_per_s is not None
+                     else base.output_tokens_per_s if base is not None else 0.0)
+        if base_rate > 0:
+            c.speedup = c.output_tokens_per_s / base_rate
         if c.method != NO_SPEC:
             c.predicted_speedup = predicted_speedup(by_key, c)
         if c.speedup is not None and c.predicted_speedup:
@@ -228,7 +239,8 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def table(cells: Sequence[Cell]) -> str:
     """The human-readable table (one line per cell)."""
-    head = (f"{'method':<12}{'K':>3} {'adaptive':<9}{'B':>5}{'tok/s':>11}{'speedup':>9}"
+    head = (f"{'method':<12}{'K':>3} {'adaptive':<9}{'B':>5}{'tok/s':>11}{'base tok/s':>11}"
+            f"{'speedup':>9}"
             f"{'predicted':>10}{'accept len':>11}{'full steps':>11}  per-position acceptance")
     lines = [head, "-" * len(head)]
     for c in cells:
@@ -236,6 +248,7 @@ def table(cells: Sequence[Cell]) -> str:
             " ".join(f"{r:.2f}" for r in c.acceptance_rate_per_pos)
         lines.append(f"{c.method:<12}{c.k:>3} {('on' if c.adaptive else 'off'):<9}"
                      f"{c.batch_size:>5}{c.output_tokens_per_s:>11.1f}"
+                     f"{_fmt(c.baseline_tokens_per_s, '.1f'):>11}"
                      f"{_fmt(c.speedup, '.3f'):>9}{_fmt(c.predicted_speedup, '.3f'):>10}"
                      f"{_fmt(c.mean_acceptance_length, '.3f'):>11}"
                      f"{_fmt(full_step_share(c), '.0%'):>11}  {rates}")
