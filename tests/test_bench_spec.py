@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 from photon.bench.serve_workload import length_bounds
 from photon.bench.spec_prompts import heldout_code_prompts, random_prompts
 from photon.bench.spec_report import (
+    CONTROL,
     NO_SPEC,
     Cell,
     SpecSetting,
@@ -122,6 +123,9 @@ def test_matrix_and_speculative_configs() -> None:
         SpecSetting(m, k, a) for m in ("ngram", "draft_model")
         for k, a in ((1, False), (3, False), (3, True), (5, True))]
     assert settings(["ngram"], [2], []) == [SpecSetting(NO_SPEC), SpecSetting("ngram", 2)]
+    assert settings(["ngram"], [2], [], control=True) == [
+        SpecSetting(NO_SPEC), SpecSetting(CONTROL), SpecSetting("ngram", 2)]
+    assert SpecSetting(CONTROL).speculative_config("d") is None
     assert matrix[0].speculative_config("d") is None
     assert SpecSetting("draft_model", 3, True).speculative_config("d") == {
         "method": "draft_model", "num_speculative_tokens": 3, "adaptive": True, "model": "d"}
@@ -238,6 +242,24 @@ def test_cli_output_lengths_vary_and_are_generated(capsys: pytest.CaptureFixture
     assert [c["output_tokens"] for c in summary["cells"]] == [want, want]
     assert main(["bench", "spec", "--device", "cpu", "--output-len-range-ratio", "1"]) != 0
     assert "--output-len-range-ratio must be in [0, 1)" in capsys.readouterr().err
+
+
+def test_cli_control_is_a_paired_no_speculation_engine(capsys: pytest.CaptureFixture[str],
+                                                        tmp_path: Path) -> None:
+    """--control: a second engine without speculation, timed between the baseline's runs like
+    a speculative setting; it has a speedup (the noise) but no acceptance or prediction."""
+    out_json = tmp_path / "spec.json"
+    code = main(["bench", "spec", "--model", PHOTON_TINY, "--device", "cpu", "--methods", "ngram",
+                 "--batch-sizes", "2", "--num-speculative-tokens", "1",
+                 "--adaptive-num-speculative-tokens", "--input-len", "8", "--output-len", "3",
+                 "--warmup-tokens", "0", "--control", "--output-json", str(out_json)])
+    assert code == 0, capsys.readouterr().err
+    cells = json.loads(out_json.read_text())["cells"]
+    assert [c["method"] for c in cells] == [NO_SPEC, CONTROL, "ngram"]
+    control = cells[1]
+    assert control["baseline_tokens_per_s"] > 0 and control["speedup"] == pytest.approx(
+        control["output_tokens_per_s"] / control["baseline_tokens_per_s"])
+    assert control["mean_acceptance_length"] is None and control["predicted_speedup"] is None
 
 
 def test_cli_refuses_a_speculative_config(capsys: pytest.CaptureFixture[str]) -> None:

@@ -107,6 +107,10 @@ def add_parser(bench_sub: Any) -> None:
                         "speculative cell (it stays alive beside the cell's engine) and take "
                         "the cell's speedup and T(B, 0) from those runs (default on; "
                         "--no-paired: from the no-speculation cells, measured first).")
+    g.add_argument("--control", action="store_true",
+                   help="Also run a second no-speculation engine as a setting (`control`), "
+                        "paired like the speculative ones: its speedup is 1 but for the "
+                        "machine's run-to-run noise, which it shows beside the other cells.")
     g.add_argument("--prompt-seed", type=int, default=0,
                    help="Seed of the random prompts (default 0).")
     g.add_argument("--output-json", default=None, metavar="PATH",
@@ -160,7 +164,7 @@ def run_spec(ns: argparse.Namespace) -> int:
 
     _check_args(ns)
     matrix = settings(_methods(ns), sorted(set(ns.num_speculative_tokens)),
-                      sorted(set(ns.adaptive_num_speculative_tokens)))
+                      sorted(set(ns.adaptive_num_speculative_tokens)), ns.control)
     batch_sizes = sorted(set(ns.batch_sizes))
     cells: list[Cell] = []
     errors: list[dict[str, str]] = []

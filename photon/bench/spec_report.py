@@ -31,6 +31,9 @@ from typing import Any
 from photon.bench.serve_workload import length_bounds
 
 NO_SPEC = "none"
+# A second no-speculation engine timed like a speculative one (`photon bench spec --control`):
+# its speedup over the paired baseline is 1 but for the machine's noise, which it measures.
+CONTROL = "control"
 STEP_KINDS = ("full", "partial", "mixed")
 
 
@@ -44,12 +47,12 @@ class SpecSetting:
 
     @property
     def label(self) -> str:
-        if self.method == NO_SPEC:
-            return NO_SPEC
+        if self.method in (NO_SPEC, CONTROL):
+            return self.method
         return f"{self.method} K={self.k}{' adaptive' if self.adaptive else ''}"
 
     def speculative_config(self, draft: str | None) -> dict[str, Any] | None:
-        if self.method == NO_SPEC:
+        if self.method in (NO_SPEC, CONTROL):
             return None
         config: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.k,
                                   "adaptive": self.adaptive}
@@ -59,11 +62,12 @@ class SpecSetting:
 
 
 def settings(methods: Sequence[str], fixed_ks: Sequence[int],
-             adaptive_ks: Sequence[int]) -> list[SpecSetting]:
-    """The matrix: no speculation first, then per method each K with the adaptive switch off
-    (`fixed_ks`) and on (`adaptive_ks`)."""
+             adaptive_ks: Sequence[int], control: bool = False) -> list[SpecSetting]:
+    """The matrix: no speculation first (then its control twin when asked), then per method
+    each K with the adaptive switch off (`fixed_ks`) and on (`adaptive_ks`)."""
     ks = sorted(set(fixed_ks) | set(adaptive_ks))
-    return [SpecSetting(NO_SPEC)] + [SpecSetting(m, k, a) for m in methods for k in ks
+    head = [SpecSetting(NO_SPEC)] + ([SpecSetting(CONTROL)] if control else [])
+    return head + [SpecSetting(m, k, a) for m in methods for k in ks
                                      for a in (False, True)
                                      if k in (adaptive_ks if a else fixed_ks)]
 
@@ -219,7 +223,7 @@ def fill_speedups(cells: list[Cell]) -> None:
                      else base.output_tokens_per_s if base is not None else 0.0)
         if base_rate > 0:
             c.speedup = c.output_tokens_per_s / base_rate
-        if c.method != NO_SPEC:
+        if c.method not in (NO_SPEC, CONTROL):
             c.predicted_speedup = predicted_speedup(by_key, c)
         if c.speedup is not None and c.predicted_speedup:
             c.prediction_error = c.speedup / c.predicted_speedup - 1.0
