@@ -23,10 +23,11 @@
 # K = 5 with the switch on (it picks K_eff <= 5 per step); the committed pair with K = 1, 3, 5 off
 # and 5 on. Each engine is built once and reused for every batch size (see photon/bench/spec.py).
 #
-# Time, estimated (not measured): prepare ~40 s (tokenizer training and encoding of the standard
-# library); training 100 + 40 s plus ~40 s of start-up, evaluation and agreement; `bench spec`
-# builds 13 engines for the bench pair and 9 for the committed pair at ~10-15 s each (weights,
-# KV cache, CUDA graphs) plus ~2-5 s of cells each: ~250 s. About 470 s in all. A stage that
+# Time on an H200: `bench spec` (paired: each speculative cell also times the no-speculation
+# engine twice) took 303 s for the bench pair and 143 s for the committed pair; training takes
+# its budgets plus ~40 s of start-up, evaluation and agreement, and prepare ~40 s (tokenizer
+# training and encoding of the standard library). With the default budgets the whole run needs
+# more than one 10-minute slot: train first (BENCH_PAIR) or lower the budgets. A stage that
 # runs past the budget is stopped; the JSON of the finished stages stays (the bench pair first).
 set -uo pipefail
 
