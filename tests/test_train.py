@@ -20,7 +20,7 @@ from photon.model.tiny import CHATML_TEMPLATE, build_tokenizer, is_random_weight
 from photon.train.cli import main
 from photon.train.evaluate import _run_lengths, agreement
 from photon.train.fit import build_model, fit, load_trained
-from photon.train.loop import MIN_LR_RATIO, FitSettings, lr_at
+from photon.train.loop import MIN_LR_RATIO, BestWeights, FitSettings, lr_at
 from photon.train.presets import PRESETS, count_params, get_preset
 from photon.train.prompts import heldout_prompts
 from photon.train.tokenizer import HELDOUT_FILE, Manifest, load_stream, prepare
@@ -226,12 +226,62 @@ def test_presets_have_the_intended_sizes() -> None:
     (["--steps", "5", "--seconds", "5"], "exactly one budget"),
     ([], "exactly one budget"),
     (["--steps", "0"], "--steps must be >= 1"),
+    (["--steps", "2", "--eval-interval", "-1"], "--eval-interval must be >= 0"),
 ])
 def test_fit_rejects_bad_budgets(argv: list[str], message: str, data_dir: str, tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["fit", "--data", data_dir, "--preset", "test", "--out", str(tmp_path), *argv])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_best_weights_keep_the_lowest_loss_and_restore_it() -> None:
+    model = torch.nn.Linear(2, 2)
+    best = BestWeights()
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        assert best.offer(model, 10, 2.0)
+        model.weight.fill_(2.0)
+        assert best.offer(model, 20, 1.0)
+        model.weight.fill_(3.0)
+        assert not best.offer(model, 30, 1.5) and not best.offer(model, 40, float("nan"))
+    best.restore(model)
+    assert best.step == 20 and torch.equal(model.weight, torch.full((2, 2), 2.0))
+
+
+def test_eval_interval_keeps_the_best_evaluated_weights(data_dir: str, tmp_path: Path) -> None:
+    """The loop evaluates every N steps and after the last, and the model ends with the weights
+    of the lowest evaluation (here a fake loss that is lowest at step 4), not the last ones."""
+    from photon.train.loop import train
+    from photon.train.tokenizer import TRAIN_FILE, load_stream
+
+    manifest = Manifest.read(data_dir)
+    model = build_model(get_preset("test"), manifest, seed=0)
+    fake = iter([3.0, 1.0, 2.0, 2.5])
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    def evaluate(m: torch.nn.Module) -> float:
+        assert not m.training  # evaluated in eval mode
+        seen[len(seen)] = {k: v.clone() for k, v in m.state_dict().items()}
+        return next(fake)
+
+    result = train(model, load_stream(data_dir, TRAIN_FILE), _settings(steps=7, eval_interval=2),
+                   torch.device("cpu"), lambda _: None, evaluate)
+    assert [step for step, _ in result.evals] == [2, 4, 6, 7]
+    assert result.selected_step == 4 and result.steps == 7
+    state = model.state_dict()
+    assert all(torch.equal(state[k], seen[1][k]) for k in state)
+    assert not all(torch.equal(state[k], seen[3][k]) for k in state)
+
+
+def test_fit_with_eval_interval_records_the_selected_step(data_dir: str, tmp_path: Path) -> None:
+    outcome = fit(data_dir, get_preset("test"), _settings(steps=4, eval_interval=2,
+                                                          eval_windows=2),
+                  str(tmp_path), torch.device("cpu"), log=lambda _: None)
+    assert outcome.result.selected_step in (2, 4)
+    assert [step for step, _ in outcome.result.evals] == [2, 4]
+    record = load_hf_config(str(tmp_path))["photon_training"]
+    assert record["selected_step"] == outcome.result.selected_step
 
 
 def test_fit_names_a_missing_prepare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,6 +11,7 @@
 #
 # Settings (environment variables, defaults in brackets):
 #   TARGET_SECONDS [100], DRAFT_SECONDS [40]   training budget of each bench model
+#   EVAL_INTERVAL [50]                         keep each model's best-evaluated weights (0: last)
 #   OUTPUT_LEN [128], INPUT_LEN [128]          tokens per request of every cell
 #   OUTPUT_LEN_RANGE_RATIO [0]                 output lengths drawn from OUTPUT_LEN x [1 - R, 1 + R]
 #   REQUESTS_PER_SLOT [4]                      each cell runs N x B requests, B at a time
@@ -63,7 +64,8 @@ tools/gpu_bench.sh "$out" env >/dev/null
 [ -f "$data/manifest.json" ] || run python3 -m photon.train prepare --out "$data"
 pair="${BENCH_PAIR:-$out/bench}"
 [ -n "${BENCH_PAIR:-}" ] || run python3 -m photon.train all --pair bench --data "$data" \
-  --out "$pair" --target-seconds "${TARGET_SECONDS:-100}" --draft-seconds "${DRAFT_SECONDS:-40}"
+  --out "$pair" --target-seconds "${TARGET_SECONDS:-100}" --draft-seconds "${DRAFT_SECONDS:-40}" \
+  --eval-interval "${EVAL_INTERVAL:-50}"
 spec bench_pair --model "$pair/photon-bench" --draft "$pair/photon-bench-draft" \
   --num-speculative-tokens 1 2 3 4 5 --adaptive-num-speculative-tokens 5
 spec tiny_pair --model photon/assets/photon-tiny --draft photon/assets/photon-tiny-draft \

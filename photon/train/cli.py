@@ -45,6 +45,13 @@ def _add_fit_args(p: argparse.ArgumentParser, single: bool) -> None:
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, cuda:N")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (off by default)")
+    p.add_argument("--eval-interval", type=int, default=0,
+                   help="evaluate on held-out windows every N steps (and after the last) and "
+                        "save the weights of the best evaluation: a long budget on a small "
+                        "corpus overfits (default 0: save the last weights)")
+    p.add_argument("--eval-windows", type=int, default=32,
+                   help="held-out windows each --eval-interval evaluation reads (the last ones "
+                        "of the held-out stream; default %(default)s)")
     p.add_argument("--max-eval-windows", type=int, default=None,
                    help="evaluate only this many held-out windows (default: the whole stream)")
 
@@ -94,7 +101,7 @@ def _fit_settings(preset_name: str, args: argparse.Namespace, steps: int | None,
         seq_len=pick("seq_len", preset.seq_len), batch_size=pick("batch_size", preset.batch_size),
         lr=pick("lr", preset.lr), warmup_steps=pick("warmup", preset.warmup_steps),
         seed=args.seed, steps=steps, seconds=seconds, log_interval=args.log_interval,
-        compile=args.compile)
+        compile=args.compile, eval_interval=args.eval_interval, eval_windows=args.eval_windows)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

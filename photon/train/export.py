@@ -51,6 +51,8 @@ class TrainingRecord:
     device: str
     torch_version: str
     transformers_version: str
+    # --eval-interval: the step whose weights were saved (the best evaluation); None: the last
+    selected_step: int | None = None
 
 
 def device_name(device: torch.device) -> str:

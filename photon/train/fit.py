@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from photon.train.evaluate import Agreement, HeldoutLoss, agreement, heldout_loss
@@ -54,9 +55,10 @@ def fit(data_dir: str, preset: Preset, settings: FitSettings, out_dir: str,
     model = build_model(preset, manifest, settings.seed).to(device)
     params = sum(p.numel() for p in model.parameters())
     log(f"{preset.model_name}: preset {preset.name}, {params:,} parameters, device {device}")
-    result = train(model, load_stream(data_dir, TRAIN_FILE), settings, device, log)
-    round_to_bf16(model)
     stream = load_stream(data_dir, HELDOUT_FILE)
+    result = train(model, load_stream(data_dir, TRAIN_FILE), settings, device, log,
+                   _selection_loss(stream, settings))
+    round_to_bf16(model)
     if max_eval_windows is not None:
         stream = stream[: max_eval_windows * settings.seq_len + 1]
     held = heldout_loss(model, stream, settings.seq_len, device)
@@ -74,10 +76,19 @@ def fit(data_dir: str, preset: Preset, settings: FitSettings, out_dir: str,
         tokenizer_sha256=manifest.tokenizer_sha256, heldout_loss=held.loss,
         heldout_perplexity=held.perplexity, elapsed_seconds=round(result.elapsed_seconds, 1),
         device=device_name(device), torch_version=torch.__version__,
-        transformers_version=transformers.__version__)
+        transformers_version=transformers.__version__, selected_step=result.selected_step)
     save_model(model, out_dir, data_dir, manifest, preset, record)
     log(f"saved {out_dir}")
     return FitOutcome(result=result, heldout=held, record=record)
+
+
+def _selection_loss(stream: np.ndarray, settings: FitSettings
+                    ) -> Callable[[torch.nn.Module], float]:
+    """The loss `--eval-interval` selects the weights by: held-out loss over the last
+    `eval_windows` windows of the held-out stream (the reported held-out loss reads them all)."""
+    tail = stream[-(settings.eval_windows * settings.seq_len + 1):]
+    return lambda model: heldout_loss(model, tail, settings.seq_len,
+                                      next(model.parameters()).device).loss
 
 
 def load_trained(model_dir: str, device: torch.device) -> torch.nn.Module:

@@ -1,6 +1,11 @@
 """`fit`'s training loop: AdamW, linear warm-up then cosine decay to 10%, grad clip 1.0, bf16
 autocast on CUDA (float32 on CPU), random contiguous windows of the train stream, seeded.
 
+With `eval_interval` > 0 the loop also evaluates every that many steps (and after the last) and
+keeps the weights of the evaluation with the lowest loss: on a small corpus a long budget
+overfits, and the weights that generalise best are not the last ones. Evaluations add to the
+wall time of a seconds budget; the step count is fixed before any.
+
 The budget is a step count or a number of seconds. The cosine schedule needs its length up front,
 so with seconds the loop times a few steps after the first ones (which pay for start-up and
 compilation), fixes the total step count from them and records it; re-running with
@@ -37,6 +42,8 @@ class FitSettings:
     seconds: float | None = None
     log_interval: int = 50
     compile: bool = False
+    eval_interval: int = 0  # evaluate every N steps and keep the best weights; 0: the last
+    eval_windows: int = 32  # held-out windows each evaluation reads
 
     def __post_init__(self) -> None:
         if (self.steps is None) == (self.seconds is None):
@@ -49,6 +56,9 @@ class FitSettings:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
                                  f"got {getattr(self, name)}")
+        if self.eval_interval < 0 or self.eval_windows < 1:
+            raise ValueError(f"--eval-interval must be >= 0 and --eval-windows >= 1, got "
+                             f"{self.eval_interval}, {self.eval_windows}")
         if not self.lr > 0 or self.warmup_steps < 0:
             raise ValueError(f"--lr must be > 0 and --warmup >= 0, got {self.lr}, "
                              f"{self.warmup_steps}")
@@ -60,6 +70,29 @@ class FitResult:
     tokens_seen: int
     elapsed_seconds: float
     losses: list[tuple[int, float]] = field(default_factory=list)  # (step, mean since last log)
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, evaluation loss)
+    selected_step: int | None = None  # the step whose weights the model holds (None: the last)
+
+
+class BestWeights:
+    """The weights of the evaluation with the lowest loss so far (a copy on the model's
+    device), put back into the model at the end."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.loss = math.inf
+        self.state: dict[str, torch.Tensor] | None = None
+
+    def offer(self, model: torch.nn.Module, step: int, loss: float) -> bool:
+        if not loss < self.loss:
+            return False
+        self.step, self.loss = step, loss
+        self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return True
+
+    def restore(self, model: torch.nn.Module) -> None:
+        if self.state is not None:
+            model.load_state_dict(self.state)
 
 
 def lr_at(step: int, settings: FitSettings, total: int | None) -> float:
@@ -119,8 +152,11 @@ def _total_from_time(step: int, t_start: float, t_calib: float, seconds: float,
 
 
 def train(model: torch.nn.Module, stream: np.ndarray, settings: FitSettings,
-          device: torch.device, log: Callable[[str], None] = print) -> FitResult:
-    """Train `model` (already on `device`, float32) in place; returns what happened."""
+          device: torch.device, log: Callable[[str], None] = print,
+          evaluate: Callable[[torch.nn.Module], float] | None = None) -> FitResult:
+    """Train `model` (already on `device`, float32) in place; returns what happened.
+    `evaluate(model)` (the model in eval mode): the loss `settings.eval_interval` selects by."""
+    best = BestWeights() if evaluate is not None and settings.eval_interval else None
     sampler = WindowSampler(stream, settings.seq_len, settings.batch_size, settings.seed, device)
     optimizer = make_optimizer(model, settings.lr, device)
     step_fn = torch.compile(model) if settings.compile else model
@@ -154,12 +190,28 @@ def train(model: torch.nn.Module, stream: np.ndarray, settings: FitSettings,
             result.losses.append((step, mean))
             loss_sum.zero_()
             t_log, last_log = now, step
+        if best is not None and (step % settings.eval_interval == 0 or step == total):
+            _evaluate(model, step, evaluate, best, result, log)
     _sync(device)
     model.eval()
+    if best is not None:
+        best.restore(model)
+        result.selected_step = best.step
+        log(f"kept the weights of step {best.step} (evaluation loss {best.loss:.4f})")
     result.steps = step
     result.tokens_seen = step * settings.batch_size * settings.seq_len
     result.elapsed_seconds = time.perf_counter() - t_start
     return result
+
+
+def _evaluate(model: torch.nn.Module, step: int, evaluate: Callable[[torch.nn.Module], float],
+              best: BestWeights, result: FitResult, log: Callable[[str], None]) -> None:
+    model.eval()
+    loss = evaluate(model)
+    model.train()
+    result.evals.append((step, loss))
+    kept = best.offer(model, step, loss)
+    log(f"step {step} evaluation loss {loss:.4f}" + (" (best so far)" if kept else ""))
 
 
 def _step(step_fn: Callable[..., object], model: torch.nn.Module,
