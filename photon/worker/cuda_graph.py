@@ -9,7 +9,8 @@ tables) get one graph per width bucket; the others declare a single full width.
 
 A decode-only step may hold speculative rows verifying no draft (K_eff = 0): the launch resolves
 their positions into the slot's views before `run()` copies them. With a draft model, each
-graph also runs the draft's forward over the same inputs (its KV catch-up) before the target's.
+graph also runs the draft's forward over the same inputs (its KV catch-up) before the target's;
+a second set without it serves steps that skip the catch-up (photon.worker.spec_graphs.LeanKey).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ shrink, preemption, release of zombie rows) serve both caches; the draft has no 
 Per step, on the device and without a host sync:
 - `catch_up`: the draft runs the target's forward inputs (the same rows, tokens, positions and
   KV slots: prompt chunks, plain rows and the K + 1 positions of speculative rows), so its KV
-  holds every position the target has computed;
+  holds every position the target has computed; steps with speculation off skip it, and
+  `fill` computes the positions they skipped before the next step that runs it
+  (photon.worker.draft_lag);
 - after verification, `DraftDecode` is the proposer's `DraftStep` (photon.spec.draft_model): K
   single-token steps from each proposing request's last known token, writing their KV into the
   blocks the step's block table gives the request. The scheduler reserves K positions past what
@@ -17,6 +19,7 @@ Per step, on the device and without a host sync:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -26,6 +29,7 @@ from photon.core.inputs import StepInputs
 from photon.model.loader import load_model
 from photon.spec.draft_model import DraftStep
 from photon.worker.draft_graphs import DraftGraphs
+from photon.worker.draft_lag import FillChunk
 from photon.worker.piecewise_graphs import PiecewiseGraphs
 
 
@@ -75,6 +79,23 @@ class DraftRunner:
         else:
             self.model(input_ids, positions, ctx)
 
+    def fill(self, chunks: list[FillChunk], token_pool: Tensor) -> None:
+        """The draft's forward over positions skipped while speculation was off (photon.worker.
+        draft_lag), eagerly, before the step's own catch-up; its KV writes are what matter."""
+        for c in chunks:
+            t = {name: _to_device(getattr(c, name), token_pool.device)
+                 for name in ("pool_idx", "positions", "slot_mapping", "seq_lens", "query_lens",
+                              "block_tables")}
+            starts = torch.zeros(len(c.seq_lens) + 1, dtype=torch.int32, device=token_pool.device)
+            starts[1:] = t["query_lens"].cumsum(0)
+            meta = AttentionMetadata(
+                slot_mapping=t["slot_mapping"], block_tables=t["block_tables"].to(torch.int32),
+                seq_lens=t["seq_lens"].to(torch.int32), query_start_loc=starts,
+                seq_lens_host=c.seq_lens.tolist(), query_lens_host=c.query_lens.tolist(),
+                decode_only=False)
+            ids = token_pool.view(-1)[t["pool_idx"]].long()
+            self.model(ids, t["positions"], ForwardContext(meta, self.kv_caches, self.backend))
+
     def decode(self, dev: StepInputs[Tensor], num_rows: int, num_proposing: int) -> DraftStep:
         """The draft step of a sampled step's proposing requests (`dev.propose_reqs`, of which
         the host knows there are `num_proposing`); `num_rows`: the staged rows (a graph's
@@ -89,6 +110,14 @@ class DraftRunner:
         if batch is not None:
             return self.graphs.bind(tables, batch)
         return DraftDecode(self, tables, num_proposing)
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> Tensor:
+    """A host array on the device without a host wait (pinned, non-blocking on CUDA)."""
+    t = torch.from_numpy(array)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class DraftDecode:

@@ -54,6 +54,8 @@ class HostStep:
     # Every row a speculative row verifying spec_k drafts (decode_inputs.build_spec_inputs,
     # which the runner uses for every such step): the speculative graphs' steps.
     uniform_spec: bool = False
+    # The step skips the draft model's catch-up forward (photon.worker.draft_lag)
+    skip_draft: bool = False
 
     @property
     def only_spec(self) -> bool:

@@ -48,6 +48,7 @@ from photon.structured.backend import bitmask_width
 from photon.structured.bitmask import MaskViews, TokenMask, mask_numel
 from photon.worker.cuda_graph import GraphModel, staged_rows
 from photon.worker.decode_inputs import build_decode_inputs, build_spec_inputs, is_plain_decode
+from photon.worker.draft_lag import DraftLag, FillChunk
 from photon.worker.draft_runner import DraftRunner, kv_block_bytes
 from photon.worker.inputs import HostStep, build_step_inputs, pad_tokens
 from photon.worker.kv_sizing import usable_blocks
@@ -134,6 +135,8 @@ class ModelRunner:
             self.backend, self.device)
         # KV positions the scheduler reserves past a row's target writes for the draft's steps
         self.draft_lookahead = 0 if self.draft is None else spec.k
+        self.draft_lag = None if self.draft is None else DraftLag(
+            num_rows, self.block_size, self.pool_width, config.scheduler.max_num_batched_tokens)
         # Sampling rows: a speculative row samples K + 1.
         sampling_rows = max_seqs * (1 + (spec.k if spec is not None else 0))
         self.slots = [StepSlot(i, self.device, sampling_rows, MAX_LOGPROBS,
@@ -209,7 +212,11 @@ class ModelRunner:
     def _apply_table_changes(self, plan: StepPlan) -> None:
         for i in plan.released:
             self.table.remove(i)
+            if self.draft_lag is not None:
+                self.draft_lag.reset(i)
         for new in plan.new_requests:
+            if self.draft_lag is not None:
+                self.draft_lag.reset(new.req_index)
             try:
                 self.table.add(new)
             except Exception as e:  # noqa: BLE001 - one request's values must not stop the engine
@@ -260,6 +267,9 @@ class ModelRunner:
             host = build_step_inputs(rows, self.table, self.block_size, self.pool_width)
         idx, valid = host.pool_valid
         self.table.pool_valid[idx] = valid
+        fill: list[FillChunk] = []
+        if self.draft_lag is not None:
+            host.skip_draft, fill = self.draft_lag.step(rows, plan.propose)
         calibrating = self.kv_scales is not None and self.kv_scales.calibrating
         graph_key = None if self.graphs is None or calibrating else self.graphs.plan(rows, host)
         if graph_key is None and self.piecewise is not None and not calibrating:
@@ -268,7 +278,7 @@ class ModelRunner:
         slot = self.slots[plan.step % 2]
         ints, floats = slot.stage(int_arrays(host.inputs), float_arrays(host.inputs))
         return PreparedStep(slot, rows, host, StepInputs(*ints, *floats), graph_key, plan.step,
-                            plan.propose, self._stage_lora(plan))
+                            plan.propose, self._stage_lora(plan), fill)
 
     def _stage_lora(self, plan: StepPlan) -> list[StagedLoad]:
         """The plan's adapter loads from the host cache; the requests of a slot whose adapter
@@ -295,6 +305,8 @@ class ModelRunner:
             self.probe.mark(marks, "fwd_start")
         if host.inputs.write_idx.size:
             self.token_pool.view(-1)[dev.write_idx] = dev.write_ids.to(torch.int32)
+        if prep.draft_fill:
+            self.draft.fill(prep.draft_fill, self.token_pool)
         if self.lora is not None:
             self.lora.launch(dev.lora_slots, prep.graph_key is None and not host.bucket
                              and any_adapter(host.inputs.lora_slots))
@@ -346,7 +358,7 @@ class ModelRunner:
             seq_lens_exact=host.widths is None,
         )
         input_ids = self.token_pool.view(-1)[dev.pool_idx].long()
-        if self.draft is not None:
+        if self.draft is not None and not host.skip_draft:
             self.draft.catch_up(input_ids, dev.positions, meta, host.bucket)
         ctx = ForwardContext(meta, self.kv_caches, self.backend, self.kv_scales)
         if host.bucket:

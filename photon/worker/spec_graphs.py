@@ -28,7 +28,8 @@ B * (K_eff + 1) <= max_num_batched_tokens tokens. Every other step runs eagerly.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -148,16 +149,28 @@ class SpecGraphs:
         return out[:num_rows * (key.k + 1)]
 
 
-GraphKey = tuple[int, int] | SpecKey
+class LeanKey(NamedTuple):
+    """A decode graph without the draft model's catch-up: a step that skips it
+    (HostStep.skip_draft, photon.worker.draft_lag)."""
+
+    batch: int
+    width: int
+
+
+GraphKey = tuple[int, int] | LeanKey | SpecKey
 
 
 class StepGraphs:
     """A runner's CUDA graphs: decode graphs for decode-only steps (speculative rows with K_eff
-    = 0 included), speculative graphs for speculative decode steps; other steps run eagerly."""
+    = 0 included), speculative graphs for speculative decode steps; other steps run eagerly.
+    With a draft model the decode graphs come twice: with the draft's catch-up and without it
+    (`lean`, for steps with speculation off)."""
 
-    def __init__(self, decode: DecodeGraphs, spec: SpecGraphs | None) -> None:
+    def __init__(self, decode: DecodeGraphs, spec: SpecGraphs | None,
+                 lean: DecodeGraphs | None = None) -> None:
         self.decode = decode
         self.spec = spec
+        self.lean = lean
 
     @classmethod
     def build(cls, fwd: GraphModel, config: EngineConfig, max_blocks: int,
@@ -169,11 +182,18 @@ class StepGraphs:
             spec_graphs = SpecGraphs(fwd, captured_ks(spec.k, spec.adaptive), sched.max_num_seqs,
                                      sched.max_num_batched_tokens, max_blocks,
                                      config.model.max_model_len, device)
-        return cls(decode, spec_graphs)
+        lean = None
+        if fwd.draft is not None:
+            lean = DecodeGraphs(replace(fwd, draft=None), sched.max_num_seqs, max_blocks, device)
+        return cls(decode, spec_graphs, lean)
 
     @property
     def replays(self) -> int:
-        return self.decode.replays + self.spec_replays
+        return self.decode.replays + self.spec_replays + self.lean_replays
+
+    @property
+    def lean_replays(self) -> int:
+        return 0 if self.lean is None else self.lean.replays
 
     @property
     def spec_replays(self) -> int:
@@ -181,7 +201,9 @@ class StepGraphs:
 
     def capture(self) -> None:
         pool = None if self.spec is None else self.spec.capture()
-        self.decode.capture(pool)
+        pool = self.decode.capture(pool)
+        if self.lean is not None:
+            self.lean.capture(pool)
 
     def plan(self, rows: list[ScheduledRow], host: HostStep) -> GraphKey | None:
         """The graph of a prepared step, its host inputs padded in place to it; None: eager."""
@@ -190,6 +212,8 @@ class StepGraphs:
             key = self.decode.bucket(len(rows), width)
             if key is not None:
                 pad_rows(host.inputs, *key, 1)
+                if host.skip_draft and self.lean is not None:
+                    return LeanKey(*key)
             return key
         k = host.spec_k if host.uniform_spec else None  # build_spec_inputs' steps
         key = self.spec.bucket(k, len(rows), width) if self.spec is not None else None
@@ -200,4 +224,6 @@ class StepGraphs:
     def run(self, key: GraphKey, dev: StepInputs[torch.Tensor], num_rows: int) -> torch.Tensor:
         if isinstance(key, SpecKey):
             return self.spec.run(key, dev, num_rows)
+        if isinstance(key, LeanKey):
+            return self.lean.run(key, dev, num_rows)
         return self.decode.run(key, dev, num_rows)

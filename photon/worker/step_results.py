@@ -18,6 +18,7 @@ import torch
 from photon.core.inputs import StepInputs
 from photon.core.step import CommittedToken, PromptScores, ScheduledRow
 from photon.lora.worker import StagedLoad
+from photon.worker.draft_lag import FillChunk
 from photon.worker.inputs import HostStep
 from photon.worker.probe import StepMarks
 from photon.worker.slots import StepSlot
@@ -37,6 +38,8 @@ class PreparedStep:
     step: int  # the plan's step number
     propose: bool  # the plan's: propose drafts after sampling
     lora_loads: list[StagedLoad] = field(default_factory=list)  # into slots before the forward
+    # The draft's forward over positions earlier steps skipped, before this step's (draft_lag)
+    draft_fill: list[FillChunk] = field(default_factory=list)
 
 
 @dataclass

@@ -1,0 +1,128 @@
+"""Which positions the draft model's KV cache lacks, and the chunks that fill them.
+
+Speculative method draft_model keeps the draft's KV cache in step with the target's by running
+the draft over every step's tokens (`DraftRunner.catch_up`). While the adaptive switch keeps
+speculation off, nothing reads that cache, so such steps skip the draft's forward: a step skips
+it when it proposes no drafts after sampling (`StepPlan.propose` False: the switch chose K_eff
+= 0) and has no speculative row (whose positions only the device knows). Before the next step
+that runs the draft, the positions skipped since are filled in one varlen forward of the draft
+over them (the chunks below), so the draft's cache again holds every position the target
+computed when it proposes.
+
+Invariant (host side, updated in plan order while steps are staged): for each request index r,
+the draft's KV holds every position the target has computed, except those from `since[r]` on
+when `since[r] >= 0`. Skipped steps only run rows whose positions the host knows (plain rows and
+prompt chunks), so a row's `start` is exact wherever `since` is set or read.
+
+Prefix caching: a block computed in a skipped step and later hit by another request's prefix
+carries no draft KV until its first request fills it; the draft then proposes from a cache
+missing part of that prefix (fewer accepted drafts; the tokens are the target's either way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from photon.core.step import ScheduledRow
+
+I64 = np.int64
+
+
+@dataclass(frozen=True)
+class FillChunk:
+    """One varlen forward of the draft over skipped positions: segments of consecutive
+    positions [start, end) of one request each (at most one per request)."""
+
+    pool_idx: np.ndarray  # [T] token-pool entries of the query tokens
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T] KV slots of the draft's cache (the target's block ids)
+    seq_lens: np.ndarray  # [N] each segment's end: the length its attention reads
+    query_lens: np.ndarray  # [N]
+    block_tables: np.ndarray  # [N, W]
+
+
+@dataclass(frozen=True)
+class _Segment:
+    req: int
+    start: int
+    end: int
+    block_ids: list[int]
+
+
+class DraftLag:
+    def __init__(self, num_rows: int, block_size: int, pool_width: int,
+                 max_tokens: int) -> None:
+        self.since = np.full(num_rows, -1, dtype=I64)
+        self.block_size = block_size
+        self.pool_width = pool_width
+        self.max_tokens = max_tokens  # query tokens per fill chunk
+
+    def reset(self, req_index: int) -> None:
+        """A request index left or entered the table: nothing skipped for it."""
+        self.since[req_index] = -1
+
+    def step(self, rows: list[ScheduledRow], propose: bool) -> tuple[bool, list[FillChunk]]:
+        """(whether a step of `rows` skips the draft's catch-up, the chunks to fill before it
+        runs it): it skips when it proposes nothing after sampling and has no speculative
+        row."""
+        req = np.fromiter((r.req_index for r in rows), dtype=I64, count=len(rows))
+        starts = np.fromiter((r.start for r in rows), dtype=I64, count=len(rows))
+        if not propose and not any(r.speculative for r in rows):
+            self.skip(req, starts)
+            return True, []
+        return False, self.catch_up(rows, req, starts)
+
+    def skip(self, req: np.ndarray, starts: np.ndarray) -> None:
+        """A step whose rows (request indices `req`, first positions `starts`) skip the draft."""
+        fresh = self.since[req] < 0
+        self.since[req[fresh]] = starts[fresh]
+
+    def catch_up(self, rows: list[ScheduledRow], req: np.ndarray,
+                 starts: np.ndarray) -> list[FillChunk]:
+        """A step whose rows run the draft: the chunks that fill their skipped positions first
+        (none in the common case: no row lags)."""
+        since = self.since[req]
+        lagging = np.nonzero((since >= 0) & (since < starts))[0]
+        self.since[req] = -1
+        if lagging.size == 0:
+            return []
+        segments = [_Segment(int(req[i]), int(since[i]), int(starts[i]), rows[i].block_ids)
+                    for i in lagging.tolist()]
+        return [self._chunk(group) for group in self._groups(segments)]
+
+    def _groups(self, segments: list[_Segment]) -> list[list[_Segment]]:
+        """Segments cut to at most max_tokens positions, packed into chunks of at most
+        max_tokens query tokens; a request's later piece goes into a later chunk (it attends to
+        the earlier piece's KV)."""
+        pieces = [_Segment(s.req, a, min(a + self.max_tokens, s.end), s.block_ids)
+                  for s in segments for a in range(s.start, s.end, self.max_tokens)]
+        groups: list[list[_Segment]] = []
+        tokens = 0
+        for p in pieces:
+            size = p.end - p.start
+            if not groups or tokens + size > self.max_tokens or any(
+                    q.req == p.req for q in groups[-1]):
+                groups.append([])
+                tokens = 0
+            groups[-1].append(p)
+            tokens += size
+        return groups
+
+    def _chunk(self, group: list[_Segment]) -> FillChunk:
+        bs = self.block_size
+        positions = np.concatenate([np.arange(s.start, s.end, dtype=I64) for s in group])
+        width = max(-(-s.end // bs) for s in group)
+        tables = np.zeros((len(group), width), dtype=I64)
+        for i, s in enumerate(group):
+            ids = s.block_ids[:width]
+            tables[i, :len(ids)] = ids
+        seg = np.repeat(np.arange(len(group)), [s.end - s.start for s in group])
+        req = np.array([s.req for s in group], dtype=I64)
+        slots = tables[seg, positions // bs] * bs + positions % bs
+        return FillChunk(pool_idx=req[seg] * self.pool_width + positions, positions=positions,
+                         slot_mapping=slots,
+                         seq_lens=np.array([s.end for s in group], dtype=I64),
+                         query_lens=np.array([s.end - s.start for s in group], dtype=I64),
+                         block_tables=tables)

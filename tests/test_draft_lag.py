@@ -1,0 +1,131 @@
+"""The draft model's catch-up skipped while speculation is off (photon.worker.draft_lag): the
+host bookkeeping, the fill chunks, and engines whose draft equals the target (every draft is
+accepted exactly when the draft's KV cache holds every position), eager and with graphs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from photon.core.step import ScheduledRow
+from photon.worker.draft_lag import DraftLag
+from tests.test_pipeline import run
+from tests.test_spec_adaptive import _specs
+from tests.test_spec_plain_rows import (
+    _assert_every_kind,
+    _draft_llm,
+    _flapping,
+    _kinds,
+    _spec_rows,
+    target,  # noqa: F401 - the module-scoped model fixture
+)
+
+BS = 4
+
+
+def _row(req: int, start: int, n: int = 1, blocks: int = 8, speculative: bool = False
+         ) -> ScheduledRow:
+    return ScheduledRow(req, start, n, True, 0, [100 * req + b for b in range(blocks)],
+                        speculative=speculative)
+
+
+def test_a_skipped_step_marks_where_each_request_starts_lagging() -> None:
+    lag = DraftLag(num_rows=4, block_size=BS, pool_width=64, max_tokens=32)
+    assert lag.step([_row(1, 5), _row(2, 9)], propose=False) == (True, [])
+    assert lag.step([_row(1, 6), _row(2, 10), _row(3, 0, n=4)], propose=False) == (True, [])
+    assert lag.since.tolist() == [-1, 5, 9, 0]  # the first skipped position, not the last
+    lag.reset(3)  # the index left the table
+    skip, chunks = lag.step([_row(1, 7), _row(2, 11)], propose=True)
+    assert not skip and len(chunks) == 1 and lag.since.tolist() == [-1] * 4
+    c = chunks[0]
+    assert c.positions.tolist() == [5, 6, 9, 10]
+    assert c.pool_idx.tolist() == [64 + 5, 64 + 6, 128 + 9, 128 + 10]
+    assert c.seq_lens.tolist() == [7, 11] and c.query_lens.tolist() == [2, 2]
+    # slots from the rows' own blocks: position p of request r is block 100 r + p // 4
+    assert c.slot_mapping.tolist() == [101 * BS + 1, 101 * BS + 2, 202 * BS + 1, 202 * BS + 2]
+    assert c.block_tables.shape == (2, 3) and c.block_tables[1].tolist() == [200, 201, 202]
+    # in step again: nothing to fill
+    assert lag.step([_row(1, 8), _row(2, 12)], propose=True) == (False, [])
+
+
+def test_steps_with_a_speculative_row_or_proposals_run_the_draft() -> None:
+    lag = DraftLag(num_rows=2, block_size=BS, pool_width=64, max_tokens=32)
+    assert lag.step([_row(0, 3, speculative=True)], propose=False) == (False, [])
+    assert lag.step([_row(0, 4)], propose=True) == (False, [])
+    assert lag.since.tolist() == [-1, -1]
+
+
+def test_long_gaps_are_cut_into_chunks_a_request_at_most_once_per_chunk() -> None:
+    lag = DraftLag(num_rows=3, block_size=BS, pool_width=64, max_tokens=8)
+    lag.step([_row(0, 2), _row(1, 10), _row(2, 0)], propose=False)
+    _, chunks = lag.step([_row(0, 22), _row(1, 13), _row(2, 3)], propose=True)
+    pieces = [list(zip((c.pool_idx // 64).tolist(), c.positions.tolist())) for c in chunks]
+    assert all(len(c.positions) <= 8 for c in chunks)
+    got = sorted(p for chunk in pieces for p in chunk)
+    want = sorted([(0, p) for p in range(2, 22)] + [(1, p) for p in range(10, 13)]
+                  + [(2, p) for p in range(0, 3)])
+    assert got == want  # every skipped position exactly once
+    for c in chunks:  # each segment attends to its own end, one segment per request
+        reqs = (c.pool_idx // 64)[np.cumsum(c.query_lens) - 1]
+        assert len(set(reqs.tolist())) == len(reqs)
+        ends = c.positions[np.cumsum(c.query_lens) - 1] + 1
+        assert ends.tolist() == c.seq_lens.tolist()
+    # request 0's pieces run in order: 2-9, 10-17, 18-21
+    firsts = [c.positions[0] for c in chunks if c.pool_idx[0] // 64 == 0]
+    assert firsts == sorted(firsts)
+
+
+def _count_draft_work(llm: object) -> dict[str, int]:
+    draft = llm.engine.runner.draft
+    counts = {"catch_up": 0, "fill": 0}
+    catch_up, fill = draft.catch_up, draft.fill
+
+    def counted_catch_up(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        counts["catch_up"] += 1
+        return catch_up(*a, **k)
+
+    def counted_fill(chunks, pool):  # noqa: ANN001, ANN202
+        counts["fill"] += len(chunks)
+        return fill(chunks, pool)
+
+    draft.catch_up, draft.fill = counted_catch_up, counted_fill
+    return counts
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_flapping_switch_skips_the_draft_and_fills_it_back(target: str,  # noqa: F811
+                                                             pipelined: bool) -> None:
+    """A draft equal to the target accepts every draft only if its KV cache holds every
+    position when it proposes: the positions of the steps it skipped included."""
+    specs = _specs()
+    base, _ = run(_draft_llm(target, None, True), specs)
+    llm = _draft_llm(target, target, pipelined, block_size=4, max_num_batched_tokens=16)
+    policy = _flapping(llm)
+    counts = _count_draft_work(llm)
+    out, audit = run(llm, specs)
+    assert out == base
+    _assert_every_kind(_kinds(audit, policy.choices))
+    steps = sum(bool(rows) for rows in audit.schedule)
+    assert 0 < counts["catch_up"] < steps and counts["fill"] > 0
+    drafts = _spec_rows(audit)
+    counters = llm.engine.runner.spec.counters
+    assert counters.num_drafts == len(drafts) > 0
+    assert counters.num_accepted_tokens == sum(drafts)
+
+
+def test_skipped_steps_replay_the_lean_decode_graphs(target: str,  # noqa: F811
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_spec_graphs import _install_graphs
+
+    specs = _specs()
+    base, _ = run(_draft_llm(target, None, True), specs)
+    llm = _draft_llm(target, target, True, block_size=4, max_num_seqs=4)
+    policy = _flapping(llm)
+    graphs = _install_graphs(llm, monkeypatch)
+    out, audit = run(llm, specs)
+    assert out == base
+    _assert_every_kind(_kinds(audit, policy.choices))
+    assert graphs.lean_replays > 0 and graphs.decode.replays > 0 and graphs.spec_replays > 0
+    drafts = _spec_rows(audit)
+    counters = llm.engine.runner.spec.counters
+    assert counters.num_accepted_tokens == sum(drafts) > 0
