@@ -175,7 +175,7 @@ def test_cli_small_matrix(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
                  "--device", "cpu", "--batch-sizes", *map(str, BATCH_SIZES),
                  "--num-speculative-tokens", *map(str, KS), "--adaptive-num-speculative-tokens", "2",
                  "--input-len", "16", "--requests-per-slot", "2",
-                 "--output-len", str(OUTPUT_LEN), "--warmup-tokens", "2",
+                 "--output-len", str(OUTPUT_LEN), "--warmup-tokens", "2", "--no-paired",
                  "--output-json", str(out_json)])
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -201,14 +201,13 @@ def test_cli_small_matrix(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
             assert c["speedup"] == 1.0 and c["mean_acceptance_length"] is None
             assert c["acceptance_rate_per_pos"] is None and c["predicted_speedup"] is None
             assert set(c["step_time_s"]) == {"0"}
-            assert c["baseline_tokens_per_s"] is None
         else:
             assert 1.0 <= c["mean_acceptance_length"] <= k + 1
             assert len(c["acceptance_rate_per_pos"]) == k
-            # paired (the default): the speedup is over the baseline runs framing the cell
-            assert c["baseline_tokens_per_s"] > 0 and c["baseline_step_time_s"] > 0
-            assert c["speedup"] == pytest.approx(c["output_tokens_per_s"]
-                                                 / c["baseline_tokens_per_s"])
+            # --no-paired: the speedup is over the no-speculation cell at the same B
+            assert c["speedup"] == pytest.approx(
+                c["output_tokens_per_s"] / cells[NO_SPEC, 0, False, b]["output_tokens_per_s"])
+        assert c["baseline_tokens_per_s"] is None
 
 
 def test_output_lengths_are_seeded_and_in_range() -> None:
@@ -256,10 +255,14 @@ def test_cli_control_is_a_paired_no_speculation_engine(capsys: pytest.CaptureFix
     assert code == 0, capsys.readouterr().err
     cells = json.loads(out_json.read_text())["cells"]
     assert [c["method"] for c in cells] == [NO_SPEC, CONTROL, "ngram"]
-    control = cells[1]
-    assert control["baseline_tokens_per_s"] > 0 and control["speedup"] == pytest.approx(
-        control["output_tokens_per_s"] / control["baseline_tokens_per_s"])
+    none, control, ngram = cells
+    assert none["baseline_tokens_per_s"] is None  # the baseline's own cells are not paired
+    for c in (control, ngram):  # paired (the default): over the runs framing the cell
+        assert c["baseline_tokens_per_s"] > 0 and c["baseline_step_time_s"] > 0
+        assert c["speedup"] == pytest.approx(c["output_tokens_per_s"]
+                                             / c["baseline_tokens_per_s"])
     assert control["mean_acceptance_length"] is None and control["predicted_speedup"] is None
+    assert ngram["mean_acceptance_length"] >= 1.0 and ngram["predicted_speedup"] > 0
 
 
 def test_cli_refuses_a_speculative_config(capsys: pytest.CaptureFixture[str]) -> None:
