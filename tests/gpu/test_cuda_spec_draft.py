@@ -59,3 +59,21 @@ def test_no_hidden_sync_with_a_draft_model(sync_debug_error: list[int]) -> None:
                              ignore_eos=True, logprobs=2)] * 3
     prompts = [CODE[i % len(CODE)] * (i + 1) for i in range(len(params))]
     run_speculative_without_sync(core, prompts, params, sync_debug_error)
+
+
+def test_a_flapping_switch_skips_and_fills_the_draft_cuda() -> None:
+    """Speculation off skips the draft's catch-up (decode graphs without it) and the next
+    proposing step fills the skipped positions first: a draft equal to the target keeps
+    (nearly: GEMM shapes differ between its steps and the target's) every draft accepted."""
+    from tests.test_spec_plain_rows import _flapping
+
+    spec = {"method": "draft_model", "model": TARGET, "num_speculative_tokens": 3,
+            "adaptive": False}
+    base = _greedy(LLM(pipelined=False, **KW))
+    llm = LLM(pipelined=True, speculative_config=spec, **KW)
+    _flapping(llm, k=3)
+    assert _greedy(llm) == base
+    graphs = llm.engine.runner.graphs
+    assert graphs.lean_replays > 0 and graphs.decode.replays > 0 and graphs.spec_replays > 0
+    counters = llm.engine.runner.spec.counters
+    assert counters.num_accepted_tokens >= 0.9 * counters.num_draft_tokens > 0
