@@ -231,3 +231,32 @@ def test_an_index_released_by_a_preemption_is_reused_in_the_same_plan() -> None:
     kw = dict(block_size=4, max_num_batched_tokens=24, max_num_seqs=6, num_gpu_blocks_override=40)
     _, audit = run(_llm(TARGET, DRAFT, 3, **kw), _mixed_specs(500))  # `run` asserts no errors
     assert audit.core.scheduler.num_preemptions > 0
+
+
+def test_draft_graphs_run_the_k_steps_of_a_proposal_in_one_replay(
+        trained_base: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draft graphs (CPU stand-ins replaying the captured function): a proposal of K steps
+    is one replay, padding rows included, and proposes what the eager steps propose (same
+    drafts: the same acceptance counts)."""
+    from photon.worker import draft_graphs
+    from tests.test_spec_graphs import _EagerReplay
+
+    monkeypatch.setattr(draft_graphs, "Captured", _EagerReplay)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    eager = _llm(TARGET, DRAFT, 3)
+    assert _greedy(eager, CODE) == trained_base
+    llm = _llm(TARGET, DRAFT, 3, max_num_seqs=8)
+    runner = llm.engine.runner
+    runner.draft.capture_graphs(8, runner.table.block_tables.shape[1], 3)
+    graphs = runner.draft.graphs
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+    proposer, proposals = runner.spec.proposer, []
+    propose = proposer.propose
+    proposer.propose = lambda ctx: proposals.append(ctx.pool_rows.numel()) or propose(ctx)
+    assert _greedy(llm, CODE) == trained_base
+    # one replay per proposal, whatever its rows (3 prompts: a bucket of 4, one padding row)
+    assert graphs.replays == len(proposals) > 0 and 3 in proposals
+    assert _counters(llm) == _counters(eager)
+    with pytest.raises(ValueError, match="run 3 steps"):  # a bound step refuses another K
+        graphs.bind(graphs.tables[:1, :4], 1).greedy(torch.zeros(1, dtype=torch.long),
+                                                     torch.zeros(1, dtype=torch.long), 2)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from photon.spec.config import SpeculativeConfig
-from photon.spec.draft_model import DraftModelProposer
+from photon.spec.draft_model import DraftModelProposer, greedy_steps
 from photon.spec.proposer import ProposeContext, build_proposer
 
 V = 11
@@ -21,6 +21,9 @@ class CountingStep:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step: int) -> torch.Tensor:
         self.calls.append((input_ids.tolist(), positions.tolist(), step))
         return torch.nn.functional.one_hot((input_ids + positions) % V, V).float()
+
+    def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+        return greedy_steps(self, input_ids, positions, k)
 
 
 def proposer(k: int, max_model_len: int = 100) -> tuple[DraftModelProposer, CountingStep]:

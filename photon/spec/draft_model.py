@@ -9,6 +9,7 @@ draft-model and EAGLE proposers do) makes the proposals deterministic given the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -19,11 +20,23 @@ from photon.spec.proposer import PROPOSERS, Proposal, ProposeContext
 
 
 class DraftStep(Protocol):
-    def __call__(self, input_ids: Tensor, positions: Tensor, step: int) -> Tensor:
-        """One draft-model decode step for every row: input_ids [B] int64 at positions [B] int64
-        (its KV is written there) -> next-token logits [B, V]. When propose() calls step 0 the
-        draft's KV must hold every known token of each row but the last (positions < S-1)."""
+    def greedy(self, input_ids: Tensor, positions: Tensor, k: int) -> Tensor:
+        """[B, k] int64: k draft-model decode steps for every row, the first from input_ids [B]
+        at positions [B] (its KV written there), each next one from the previous argmax one
+        position later. The draft's KV must hold every known token of each row but the last
+        (positions < S-1). The runner's implementation may run the k steps as one graph."""
         ...
+
+
+def greedy_steps(step: Callable[[Tensor, Tensor, int], Tensor], input_ids: Tensor,
+                 positions: Tensor, k: int) -> Tensor:
+    """`DraftStep.greedy` by k calls of a one-step function (ids, positions, j) -> logits."""
+    drafts = []
+    for j in range(k):
+        input_ids = step(input_ids, positions, j).argmax(dim=-1)
+        drafts.append(input_ids)
+        positions = positions + 1
+    return torch.stack(drafts, dim=1)
 
 
 @PROPOSERS.register("draft_model")
@@ -46,13 +59,7 @@ class DraftModelProposer:
             raise RuntimeError("DraftModelProposer.propose before bind(): no draft model step")
         last = (ctx.seq_lens - 1).clamp(min=0)
         ids = ctx.token_pool[ctx.pool_rows, last].long()
-        positions = last
-        drafts = []
-        for j in range(ctx.k):
-            ids = self._step(ids, positions, j).argmax(dim=-1)
-            drafts.append(ids)
-            positions = positions + 1
-        draft = torch.stack(drafts, dim=1)
+        draft = self._step.greedy(ids, last, ctx.k)
         # A row may not propose past max_model_len (nor anything before its first token).
         room = (self.max_model_len - ctx.seq_lens).clamp(min=0, max=ctx.k)
         num = torch.where(ctx.seq_lens > 0, room, torch.zeros_like(room))

@@ -2,9 +2,10 @@
 
 A proposing step runs K single-token draft steps for its proposing requests; eagerly each is a
 whole small model's worth of kernel launches, which at small batch costs more than the target's
-captured step. One graph per padded batch size captures one draft step (`DraftDecode` over
-static buffers: token ids, positions and block tables of the full width); the proposer's loop
-replays it K times, copying only the ids and positions in between.
+captured step. One graph per padded batch size captures the K steps of a proposal (`DraftDecode`
+over static buffers: token ids, positions and block tables of the full width; each step's argmax
+feeds the next inside the graph): a proposal is one copy of the ids and positions and one
+replay.
 
 Padding rows (past the step's proposing requests) hold position 0 and an all-zero block table:
 their K/V go to slot 0 of the null block 0 and their logits are never read. `bind` zeroes them
@@ -29,9 +30,10 @@ if TYPE_CHECKING:
 
 
 class DraftGraphs:
-    def __init__(self, draft: DraftRunner, max_batch: int, max_blocks: int,
+    def __init__(self, draft: DraftRunner, max_batch: int, max_blocks: int, k: int,
                  device: torch.device) -> None:
         self.draft = draft
+        self.k = k  # the draft steps of every proposal
         self.batches = batch_buckets(max_batch)
         i64 = dict(dtype=torch.int64, device=device)
         self.ids = torch.zeros(max_batch, **i64)
@@ -49,7 +51,7 @@ class DraftGraphs:
         from photon.worker.draft_runner import DraftDecode
 
         step = DraftDecode(self.draft, self.tables[:batch], batch)
-        return step(self.ids[:batch], self.positions[:batch], 0)
+        return step.greedy(self.ids[:batch], self.positions[:batch], self.k)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -74,15 +76,17 @@ class DraftGraphs:
 
 
 class GraphedDraftDecode:
-    """photon.spec.draft_model.DraftStep replaying a captured draft step."""
+    """photon.spec.draft_model.DraftStep replaying the captured K draft steps."""
 
     def __init__(self, graphs: DraftGraphs, batch: int, num_rows: int) -> None:
         self.graphs = graphs
         self.batch = batch
         self.num_rows = num_rows
 
-    def __call__(self, input_ids: Tensor, positions: Tensor, step: int) -> Tensor:
+    def greedy(self, input_ids: Tensor, positions: Tensor, k: int) -> Tensor:
         g = self.graphs
+        if k != g.k:
+            raise ValueError(f"the draft graphs run {g.k} steps, asked for {k}")
         g.ids[:self.num_rows].copy_(input_ids)
         g.positions[:self.num_rows].copy_(positions)
         out = g.graphs[self.batch].replay()

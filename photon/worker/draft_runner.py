@@ -11,8 +11,9 @@ Per step, on the device and without a host sync:
   `fill` computes the positions they skipped before the next step that runs it
   (photon.worker.draft_lag);
 - after verification, `DraftDecode` is the proposer's `DraftStep` (photon.spec.draft_model): K
-  single-token steps from each proposing request's last known token, writing their KV into the
-  blocks the step's block table gives the request. The scheduler reserves K positions past what
+  single-token steps (with CUDA graphs all K in one graph, photon.worker.draft_graphs) from
+  each proposing request's last known token, writing their KV into the blocks the step's block
+  table gives the request. The scheduler reserves K positions past what
   a row's target forward writes for them (its `draft_lookahead`); positions outside the table or
   past max_model_len go to the null block 0, and their drafts are never proposed.
 """
@@ -27,7 +28,7 @@ from photon.attention.backend import AttentionBackend, AttentionMetadata, Forwar
 from photon.config import ModelConfig
 from photon.core.inputs import StepInputs
 from photon.model.loader import load_model
-from photon.spec.draft_model import DraftStep
+from photon.spec.draft_model import DraftStep, greedy_steps
 from photon.worker.draft_graphs import DraftGraphs
 from photon.worker.draft_lag import FillChunk
 from photon.worker.piecewise_graphs import PiecewiseGraphs
@@ -57,9 +58,10 @@ class DraftRunner:
         # The catch-up of steps the target runs piecewise (the target's buckets: same size).
         self.piecewise: PiecewiseGraphs | None = None
 
-    def capture_graphs(self, max_batch: int, max_blocks: int) -> None:
-        """Capture the draft's decode steps (CUDA only; call before any step is in flight)."""
-        self.graphs = DraftGraphs(self, max_batch, max_blocks, self.kv_caches[0].device)
+    def capture_graphs(self, max_batch: int, max_blocks: int, k: int) -> None:
+        """Capture the draft's `k` decode steps of a proposal (CUDA only; call before any step
+        is in flight)."""
+        self.graphs = DraftGraphs(self, max_batch, max_blocks, k, self.kv_caches[0].device)
         self.graphs.capture()
 
     def capture_piecewise(self, max_tokens: int) -> None:
@@ -131,7 +133,11 @@ class DraftDecode:
         self.num_rows = num_rows
         self._starts = torch.arange(num_rows + 1, dtype=torch.int32, device=tables.device)
 
+    def greedy(self, input_ids: Tensor, positions: Tensor, k: int) -> Tensor:
+        return greedy_steps(self, input_ids, positions, k)
+
     def __call__(self, input_ids: Tensor, positions: Tensor, step: int) -> Tensor:
+        """One decode step: the logits [B, V] of input_ids at positions."""
         d = self.draft
         bs, width = d.block_size, self.tables.shape[1]
         index = positions // bs

@@ -157,7 +157,7 @@ class ModelRunner:
             self.graphs = StepGraphs.build(fwd, config, max_blocks, self.device)
             self.graphs.capture()
             if self.draft is not None:
-                self.draft.capture_graphs(max_seqs, max_blocks)
+                self.draft.capture_graphs(max_seqs, max_blocks, spec.k)
         # Steps no other graph holds replay piecewise graphs.
         self.piecewise: PiecewiseGraphs | None = None
         if self.graphs is not None and PiecewiseGraphs.supports(self.model):
