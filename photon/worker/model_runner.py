@@ -437,13 +437,15 @@ class ModelRunner:
         the device lengths, then the next drafts when the plan says so (its K_eff > 0: a step
         verifying none, the adaptive switch's choice while the batch stays large, predicts the
         next one, so it skips the proposer's cost). A step without speculative rows (plain
-        rows of speculative requests included) takes the plain path."""
+        rows of speculative requests included) takes the plain path; one that proposes nothing
+        either leaves the device lengths alone (photon.worker.spec_step: nothing reads them
+        before the request's next proposing step sets them)."""
         spec = self.spec
         if spec is not None and h.host.widths is not None:
             spec.advance(tokens, h.dev, self.token_pool, h.host.spec_k, h.host.only_spec)
         else:
             self.token_pool.view(-1)[h.dev.sample_pool_idx] = tokens.to(torch.int32)
-            if spec is not None:
+            if spec is not None and h.propose:
                 spec.advance_plain(h.dev)
         if spec is not None and h.propose:
             self._bind_draft(h)

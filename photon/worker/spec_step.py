@@ -1,9 +1,12 @@
 """The model runner's speculative decoding: device-resolved positions, verification, proposals.
 
 Invariant: the device knows each request's length, `dev_len[req_index]` (committed tokens plus
-those accepted by steps not yet committed), and the host never reads it. Every sampling row sets
-it (plain rows: seq_len + 1, `advance_plain`; speculative rows: dev_len + accepted + 1,
-`advance`), and after each sampling row of a speculative request in a step that proposes
+those accepted by steps not yet committed), and the host never reads it. Every sampling row of a
+step that proposes or has speculative rows sets it (plain rows: seq_len + 1, `advance_plain`;
+speculative rows: dev_len + accepted + 1, `advance`). A step of plain rows that proposes nothing
+(the adaptive switch off) leaves it stale: its only readers are the proposal after a proposing
+step (which set it first) and speculative rows, which follow a proposing row or a speculative
+row in flight (either set it). After each sampling row of a speculative request in a step that proposes
 (`StepPlan.propose`: the switch chose K_eff > 0) the proposer writes its next drafts into the
 token pool at dev_len .. dev_len + K - 1 (`num_draft[req_index]` of them are proposals). `num_draft` is read
 only by a row verifying drafts, which the scheduler plans only after such a proposing row (a
