@@ -198,7 +198,14 @@ class Scheduler(SchedulerCommit):
             if req.status is not running or n_out >= req.max_tokens:
                 continue  # preempted this step, or every output already sampled
             known = len(req.prompt_token_ids) + n_out
-            if req.spec_live and req.spec_k and not self._plain_row(req, k_eff):
+            # A live speculative request runs a plain row (positions from the host, the plain
+            # decode path) when its length is known on the host (no row in flight verifies
+            # drafts: each adds exactly one token) and the step verifies none, or it has none to
+            # verify (its last sampling row proposed none: this one proposes), or its grammar's
+            # gate is closed; else a speculative row. Inlined: it runs for every row and step.
+            if req.spec_live and req.spec_k and (
+                    req.num_pending_max != req.num_pending
+                    or (k_eff and req.spec_drafted and not _gated(req))):
                 budget -= self._plan_spec_row(req, budget, out, k_eff)
                 continue
             num_new = min(known - req.num_computed_tokens, budget)
@@ -237,16 +244,6 @@ class Scheduler(SchedulerCommit):
             return True
         return any(not r.spec_live and r.num_known_tokens - r.num_computed_tokens > 1
                    for r in self.running)
-
-    @staticmethod
-    def _plain_row(req: Request, k: int) -> bool:
-        """Whether a live speculative request runs a plain row (positions from the host, the
-        plain decode path) in a step verifying `k` drafts: its length is known on the host (no
-        row in flight verifies drafts: each adds exactly one token) and the step verifies none,
-        or it has none to verify (its last sampling row proposed none: this one proposes), or
-        its grammar's gate is closed."""
-        return req.num_pending_max == req.num_pending and (
-            k == 0 or not req.spec_drafted or _gated(req))
 
     def _plan_spec_row(self, req: Request, budget: int, out: SchedulerOutput, k: int) -> int:
         """A speculative row verifying `k` drafts for `req` if the budget and the KV cache
