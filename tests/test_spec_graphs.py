@@ -103,9 +103,11 @@ class _EagerReplay:
 
     def __init__(self, forward, pool) -> None:  # noqa: ANN001
         self.forward, self.pool = forward, pool
+        self.out: torch.Tensor | None = None  # the last replay's output, as a graph keeps it
 
     def replay(self) -> torch.Tensor:
-        return self.forward()
+        self.out = self.forward()
+        return self.out
 
 
 def _install_graphs(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> StepGraphs:

@@ -45,6 +45,7 @@ class DraftModelProposer:
     the first `propose`."""
 
     name: str
+    capturable = False  # its K draft steps replay a graph of their own
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.model = config.model

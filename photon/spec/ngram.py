@@ -96,6 +96,7 @@ class NgramProposer:
     of each row's latest tokens are searched (None: the whole row)."""
 
     name: str
+    capturable = True
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
                  search_window: int | None = None) -> None:

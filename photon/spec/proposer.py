@@ -48,6 +48,9 @@ class Proposal:
 
 class Proposer(Protocol):
     name: str  # the registry name (set by PROPOSERS.register)
+    # propose() can be captured in a CUDA graph with the step's sampling (device ops only, no
+    # other graph inside it)
+    capturable: bool
 
     def propose(self, ctx: ProposeContext) -> Proposal:
         """Proposals for every row of `ctx`, on its device, without a host sync."""

@@ -58,7 +58,8 @@ from photon.worker.probe import StepProbe
 from photon.worker.request_table import RequestTable
 from photon.worker.sampler import Sampler, SamplingBatch, token_logprobs
 from photon.worker.slots import StepSlot, Streams
-from photon.worker.spec_graphs import StepGraphs, uniform_spec_k
+from photon.worker.spec_graphs import SpecKey, StepGraphs, uniform_spec_k
+from photon.worker.spec_sample_graphs import SpecSampleGraphs
 from photon.worker.spec_step import SpecDecoder
 from photon.worker.step_results import (
     PreparedStep,
@@ -147,6 +148,7 @@ class ModelRunner:
         # Disaggregation: the KV connector's worker side (attach_kv_connector); None: none
         self.kv_connector: KVConnectorBase | None = None
         self.graphs: StepGraphs | None = None
+        self.sample_graphs: SpecSampleGraphs | None = None
         # Graphs capture one rank's kernels only: with tp > 1, or experts over the data-parallel
         # cores (whose every forward agrees on its padded size on the host), steps run eagerly.
         if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1 \
@@ -156,6 +158,7 @@ class ModelRunner:
                              self.kv_scales)
             self.graphs = StepGraphs.build(fwd, config, max_blocks, self.device)
             self.graphs.capture()
+            self.sample_graphs = self._sample_graphs()
             if self.draft is not None:
                 self.draft.capture_graphs(max_seqs, max_blocks, spec.k)
         # Steps no other graph holds replay piecewise graphs.
@@ -171,6 +174,15 @@ class ModelRunner:
         if self.kv_scales is not None:
             # After the capture: graphs never calibrate, and steps run eagerly until it is done.
             self.kv_scales.start_calibration()
+
+    def _sample_graphs(self) -> SpecSampleGraphs | None:
+        """Graphs for the sampling of speculative graphs' steps (photon.worker.spec_sample_graphs)."""
+        if self.graphs is None or self.graphs.spec is None or self.spec is None:
+            return None
+        graphs = SpecSampleGraphs(self.graphs.spec, self.model.compute_logits, self.spec,
+                                  self.sampler, self.token_pool, self.spec.proposer.capturable)
+        graphs.capture()
+        return graphs
 
     def _lora_worker(self) -> LoRAWorker | None:
         cfg = self.config
@@ -316,8 +328,10 @@ class ModelRunner:
             hidden = self.graphs.run(prep.graph_key, dev, len(prep.rows))
         else:
             hidden = self._forward_eager(staged_rows(dev), host, dev)
-        logits = None
-        if host.sample_rows:
+        logits = deferred = None
+        if isinstance(prep.graph_key, SpecKey) and self.sample_graphs is not None:
+            deferred = (prep.graph_key, hidden)  # every token samples: sample() decides how
+        elif host.sample_rows:
             sel = hidden if host.decode_only else hidden[dev.logits_indices]
             logits = self.model.compute_logits(sel)
         slot.reserve_prompt(host.inputs.plp_idx.size, max(host.prompt_k, 0))
@@ -326,7 +340,7 @@ class ModelRunner:
         if marks is not None:
             self.probe.mark(marks, "fwd_end")
         return StepHandle(slot, prep.rows, host, dev, logits, prep.step, prep.propose,
-                          len(host.sample_rows), host.flags.max_logprobs, marks)
+                          len(host.sample_rows), host.flags.max_logprobs, marks, deferred)
 
     def _score_prompt(self, slot: StepSlot, hidden: torch.Tensor, dev: StepInputs[torch.Tensor],
                       k: int) -> None:
@@ -382,7 +396,7 @@ class ModelRunner:
         return self.mask_views(h.slot.upload_mask(self.streams, masks.mask, masks.fence),
                                h.host.num_virtual)
 
-    def _sampling_batch(self, h: StepHandle) -> SamplingBatch:
+    def _sampling_batch(self, h: StepHandle, mask: TokenMask | None) -> SamplingBatch:
         d, f = h.dev, h.host.flags
         return SamplingBatch(
             temperature=d.temperature, top_k=d.top_k.to(torch.int32), top_p=d.top_p,
@@ -395,20 +409,25 @@ class ModelRunner:
             all_greedy=f.all_greedy, any_top_k=f.any_top_k, any_top_p=f.any_top_p,
             any_min_p=f.any_min_p, any_penalties=f.any_penalties,
             any_logit_bias=f.any_logit_bias, max_logprobs=f.max_logprobs,
-            token_bitmask=self._token_bitmask(h),
+            token_bitmask=mask,
         )
 
     @torch.inference_mode()
     def sample(self, h: StepHandle) -> None:
         """Sample step t+1 with the state committed at t; write tokens where forward t+2 reads."""
-        if h.logits is None:
+        if h.logits is None and h.deferred is None:
             # Nothing to sample, but the fence must still be recorded: commit(t) waiting on it is
             # what makes the slot's staging buffers reusable at t+2.
             h.slot.download(self.streams, 0, -1)
             return
         if h.marks is not None:
             self.probe.mark(h.marks, "smp_start")
-        batch, k = self._sampling_batch(h), h.max_logprobs
+        mask = self._token_bitmask(h)
+        if h.deferred is not None:
+            if mask is None and self._sample_graphed(h):
+                return
+            h.logits = self.model.compute_logits(h.deferred[1])
+        batch, k = self._sampling_batch(h, mask), h.max_logprobs
         if h.host.widths is None:
             out = self.sampler(h.logits, batch, overwrite=True)
             tokens, lps = out.token_ids, (out.logprobs, out.ranks, out.topk_ids,
@@ -431,6 +450,22 @@ class ModelRunner:
             self.probe.mark(h.marks, "smp_end")
         # The other ranks sampled the same tokens into their pools; only rank 0's reach the host.
         h.slot.download(self.streams, rows if self.tp.is_first else 0, k)
+
+    def _sample_graphed(self, h: StepHandle) -> bool:
+        """The step's sampling by its sampling graph, if it has one (False: sample eagerly)."""
+        key = self.sample_graphs.key(h.deferred[0], h.host, len(h.rows), h.propose,
+                                     h.host.inputs.propose_reqs.size)
+        if key is None:
+            return False
+        rows = h.host.num_virtual
+        h.slot.output_views(rows, 0).tokens.copy_(self.sample_graphs.run(key, h.dev))
+        if h.propose and not key.propose:  # a proposer with graphs of its own
+            self._bind_draft(h)
+            self.spec.propose(h.dev.propose_reqs, self.token_pool)
+        if h.marks is not None:
+            self.probe.mark(h.marks, "smp_end")
+        h.slot.download(self.streams, rows, -1)
+        return True
 
     def _advance(self, h: StepHandle, tokens: torch.Tensor) -> None:
         """The step's tokens into the pool where the next step reads them. With speculation:

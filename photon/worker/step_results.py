@@ -54,6 +54,9 @@ class StepHandle:
     num_sampled: int = 0  # rows that sample
     max_logprobs: int = -1
     marks: StepMarks | None = None  # set only while a StepProbe is attached (benchmarks)
+    # A speculative graph's step whose logits sample() computes (or its sampling graph does):
+    # the graph's key and its output (the hidden states); None: `logits` as computed at launch
+    deferred: tuple[GraphKey, torch.Tensor] | None = None
 
 
 def committed_tokens(h: StepHandle, spec: SpecDecoder | None) -> list[list[CommittedToken]]:

@@ -83,3 +83,33 @@ def run_speculative_without_sync(core: EngineCore, prompts: list[str],
     assert core.runner.spec.counters.num_accepted_tokens > 0
     assert core.runner.graphs.spec_replays > 0  # graphs on: the replays made no sync either
     core.assert_drained()
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_greedy_steps_sample_in_their_graph_cuda(rows: int) -> None:
+    """Greedy speculative steps whose rows fill their graph sample through the sampling graph
+    (photon.worker.spec_sample_graphs): the tokens, drafts and acceptances of the eager
+    sampling (the same engine with the sampling graphs removed)."""
+    specs = [Spec(p, GREEDY) for p in (_prompts(3) * 2)[:rows]]
+    base, _ = run(LLM(pipelined=False, **KW), specs)
+    spec = {**NGRAM, "num_speculative_tokens": 5}
+    graphed = LLM(pipelined=True, speculative_config=spec, max_num_seqs=rows, **KW)
+    out_g, _ = run(graphed, specs)
+    eager = LLM(pipelined=True, speculative_config=spec, max_num_seqs=rows, **KW)
+    eager.engine.runner.sample_graphs = None
+    out_e, _ = run(eager, specs)
+    assert out_g == out_e == base
+    assert graphed.engine.runner.sample_graphs.replays > 0
+    c_g, c_e = (llm.engine.runner.spec.counters for llm in (graphed, eager))
+    assert (c_g.num_drafts, c_g.num_accepted_tokens) == (c_e.num_drafts, c_e.num_accepted_tokens)
+    assert c_g.num_accepted_tokens > 0
+
+
+def test_no_hidden_sync_in_sampling_graphs(sync_debug_error: list[int]) -> None:  # noqa: F811
+    torch.cuda.set_sync_debug_mode(0)
+    llm = LLM(speculative_config={**NGRAM, "num_speculative_tokens": 5}, max_num_seqs=2,
+              **{**KW, "dtype": "bfloat16"})
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 2
+    prompts = ["def f(x):\n    return x + 1\n" * (i + 2) for i in range(2)]
+    run_speculative_without_sync(llm.engine, prompts, params, sync_debug_error)
+    assert llm.engine.runner.sample_graphs.replays > 0

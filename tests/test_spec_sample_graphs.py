@@ -1,0 +1,95 @@
+"""The sampling graphs of speculative decode steps (photon.worker.spec_sample_graphs), with CPU
+stand-ins for the graphs (each replay runs the captured function on the static buffers): the
+steps they serve give the eager sampling's tokens, drafts and acceptances; the others (sampled
+rows, padded batches) sample eagerly."""
+
+from __future__ import annotations
+
+import pytest
+
+from photon import LLM, SamplingParams
+from photon.worker import spec_sample_graphs
+from photon.worker.spec_sample_graphs import SpecSampleGraphs
+from tests.test_pipeline import Spec, run
+from tests.test_spec_engine import GREEDY, _llm, _prompts
+from tests.test_spec_graphs import _EagerReplay, _install_graphs
+
+
+def _install_sample_graphs(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> SpecSampleGraphs:
+    graphs = _install_graphs(llm, monkeypatch)
+    monkeypatch.setattr(spec_sample_graphs, "Captured", _EagerReplay)
+    r = llm.engine.runner
+    sample = SpecSampleGraphs(graphs.spec, r.model.compute_logits, r.spec, r.sampler,
+                              r.token_pool, r.spec.proposer.capturable)
+    sample.capture()
+    r.sample_graphs = sample
+    return sample
+
+
+def _counters(llm: LLM) -> tuple[int, int, list[int]]:
+    c = llm.engine.runner.spec.counters
+    return c.num_drafts, c.num_accepted_tokens, list(c.num_accepted_tokens_per_pos)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_steps_sample_through_the_graph_with_the_eager_results(
+        k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    specs = [Spec(p, GREEDY) for p in _prompts(k)]
+    base, _ = run(_llm(False, dtype="float32"), specs)
+    eager = _llm(True, k, dtype="float32", max_num_seqs=4)
+    _install_graphs(eager, monkeypatch)
+    out_e, audit_e = run(eager, specs)
+    llm = _llm(True, k, dtype="float32", max_num_seqs=4)
+    sample = _install_sample_graphs(llm, monkeypatch)
+    out, audit = run(llm, specs)
+    assert out == out_e == base
+    assert audit.schedule == audit_e.schedule
+    assert sample.replays > 0
+    assert _counters(llm) == _counters(eager) and _counters(llm)[1] > 0
+
+
+def test_sampled_rows_and_padded_batches_sample_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded random rows never take the graph (its batch is greedy only), and a batch of 3
+    rows in a graph of 4 does not either; their tokens are those of the engine without the
+    sampling graphs."""
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=20, ignore_eos=True)
+              for i in range(3)]
+    specs = [Spec(p, sp) for p, sp in zip(_prompts(5)[:3], params)]
+    eager = _llm(True, 3, dtype="float32", max_num_seqs=4)
+    _install_graphs(eager, monkeypatch)
+    out_e, _ = run(eager, specs)
+    llm = _llm(True, 3, dtype="float32", max_num_seqs=4)
+    sample = _install_sample_graphs(llm, monkeypatch)
+    out, _ = run(llm, specs)
+    assert out == out_e
+    assert sample.replays == 0 and llm.engine.runner.graphs.spec_replays > 0
+    llm = _llm(True, 3, dtype="float32", max_num_seqs=4)
+    sample = _install_sample_graphs(llm, monkeypatch)
+    choices = []  # (graph batch, rows) of every speculative graph's step
+    key = sample.key
+    sample.key = lambda g, host, n, *a: (choices.append((g.batch, n)), key(g, host, n, *a))[1]
+    reqs = [Spec(p, GREEDY) for p in _prompts(5)[:3]]
+    out, _ = run(llm, reqs)
+    assert out == run(_llm(False, dtype="float32"), reqs)[0]
+    # 3 rows in the graph of 4: eager; the rows left after some finished fill graphs of 2, 1
+    padded = sum(b != n for b, n in choices)
+    assert padded > 0 and sample.replays == len(choices) - padded > 0
+
+
+def test_a_draft_model_samples_in_the_graph_and_proposes_after_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_spec_draft_engine import CODE, DRAFT, TARGET
+    from tests.test_spec_draft_engine import _llm as _draft_llm
+
+    prompts = CODE[:2]
+    eager = _draft_llm(TARGET, DRAFT, 3, max_num_seqs=2)
+    _install_graphs(eager, monkeypatch)
+    out_e = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
+    llm = _draft_llm(TARGET, DRAFT, 3, max_num_seqs=2)
+    sample = _install_sample_graphs(llm, monkeypatch)
+    assert not sample.propose_in_graph
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    llm.engine.assert_drained()
+    assert out == out_e
+    assert sample.replays > 0
+    assert _counters(llm) == _counters(eager) and _counters(llm)[1] > 0
