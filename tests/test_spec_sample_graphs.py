@@ -22,7 +22,7 @@ def _install_sample_graphs(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> SpecSam
     sample = SpecSampleGraphs(graphs.spec, r.model.compute_logits, r.spec, r.sampler,
                               r.token_pool, r.spec.proposer.capturable)
     sample.capture()
-    r.sample_graphs = sample
+    r.sampling.graphs = sample
     return sample
 
 

@@ -5,7 +5,7 @@ prepare(plan) -> apply the plan's table changes, build the step's inputs and sta
 launch(prep)  -> enqueue their H2D and the forward (returns a handle)
 sample(h)     -> sample on the compute stream (grammar masks from the MaskSource), write tokens
                  into the device token pool, enqueue D2H (speculative rows: verify their drafts
-                 and propose the next ones; photon.worker.spec_step)
+                 and propose the next ones; photon.worker.spec_step): photon.worker.sample_stage
 sync(h)       -> the commit's host sync (the blocking loop calls it right after sample)
 wait(h)       -> sync, then the sampled tokens as Python values
 
@@ -45,7 +45,7 @@ from photon.model.loader import load_model
 from photon.sampling_params import MAX_LOGPROBS
 from photon.spec.draft_config import draft_model_config
 from photon.structured.backend import bitmask_width
-from photon.structured.bitmask import MaskViews, TokenMask, mask_numel
+from photon.structured.bitmask import MaskViews, mask_numel
 from photon.worker.cuda_graph import GraphModel, staged_rows
 from photon.worker.decode_inputs import build_decode_inputs, build_spec_inputs, is_plain_decode
 from photon.worker.draft_lag import DraftLag, FillChunk
@@ -56,7 +56,8 @@ from photon.worker.piecewise_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS
 from photon.worker.piecewise_graphs import PiecewiseGraphs
 from photon.worker.probe import StepProbe
 from photon.worker.request_table import RequestTable
-from photon.worker.sampler import Sampler, SamplingBatch, token_logprobs
+from photon.worker.sample_stage import SampleStage
+from photon.worker.sampler import Sampler, token_logprobs
 from photon.worker.slots import StepSlot, Streams
 from photon.worker.spec_graphs import SpecKey, StepGraphs, uniform_spec_k
 from photon.worker.spec_sample_graphs import SpecSampleGraphs
@@ -84,7 +85,6 @@ class ModelRunner:
         (photon.distributed.dp_experts)."""
         self.config = config
         self.tp = tp if tp is not None else TPGroup.single()
-        self.masks = masks  # the grammar masks of steps with a grammar row
         # Ends the request at an index whose inputs could not be staged (see _add_requests);
         # None: raise. Held weakly: the engine owning this runner passes its own method, and a
         # reference cycle would keep both (and the grammar worker) alive after the engine is
@@ -127,7 +127,6 @@ class ModelRunner:
         tokens = config.scheduler.max_num_batched_tokens
         # Backends cover at most the model's vocabulary: the widest masks a step can have.
         words = bitmask_width(mc.vocab_size)
-        self.mask_views = MaskViews(words)
         self.spec = None if spec is None else SpecDecoder(
             spec, mc.max_model_len, num_rows, self.pool_width, self.block_size, self.device,
             fused=mc.use_triton)
@@ -144,11 +143,13 @@ class ModelRunner:
                                8 * tokens + 16 * sampling_rows, 8 * sampling_rows,
                                mask_numel(sampling_rows, words)) for i in range(2)]
         self.sampler = Sampler(fused=config.model.use_triton)
+        self.sampling = SampleStage(self.sampler, self.spec, self.draft, self.token_pool,
+                                    self.streams, masks, MaskViews(words),
+                                    self.model.compute_logits, self.tp.is_first)
         self.probe: StepProbe | None = None
         # Disaggregation: the KV connector's worker side (attach_kv_connector); None: none
         self.kv_connector: KVConnectorBase | None = None
         self.graphs: StepGraphs | None = None
-        self.sample_graphs: SpecSampleGraphs | None = None
         # Graphs capture one rank's kernels only: with tp > 1, or experts over the data-parallel
         # cores (whose every forward agrees on its padded size on the host), steps run eagerly.
         if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1 \
@@ -158,7 +159,7 @@ class ModelRunner:
                              self.kv_scales)
             self.graphs = StepGraphs.build(fwd, config, max_blocks, self.device)
             self.graphs.capture()
-            self.sample_graphs = self._sample_graphs()
+            self.sampling.graphs = self._sample_graphs()
             if self.draft is not None:
                 self.draft.capture_graphs(max_seqs, max_blocks, spec.k)
         # Steps no other graph holds replay piecewise graphs.
@@ -329,7 +330,7 @@ class ModelRunner:
         else:
             hidden = self._forward_eager(staged_rows(dev), host, dev)
         logits = deferred = None
-        if isinstance(prep.graph_key, SpecKey) and self.sample_graphs is not None:
+        if isinstance(prep.graph_key, SpecKey) and self.sampling.graphs is not None:
             deferred = (prep.graph_key, hidden)  # every token samples: sample() decides how
         elif host.sample_rows:
             sel = hidden if host.decode_only else hidden[dev.logits_indices]
@@ -384,113 +385,9 @@ class ModelRunner:
         return hidden[:hidden.shape[0] - host.padding]
 
     # ---- sample -------------------------------------------------------------------------------
-    def _token_bitmask(self, h: StepHandle) -> TokenMask | None:
-        """The step's grammar masks on the device, their H2D enqueued (on CUDA with the grammar
-        worker fenced on its job: the GPU waits for it, not the engine thread). None for steps
-        without a grammar row: plain steps pay one dictionary lookup."""
-        if self.masks is None:
-            return None
-        masks = self.masks.masks_for(h.step, self.streams.word_wait is not None)
-        if masks is None:
-            return None
-        return self.mask_views(h.slot.upload_mask(self.streams, masks.mask, masks.fence),
-                               h.host.num_virtual)
-
-    def _sampling_batch(self, h: StepHandle, mask: TokenMask | None) -> SamplingBatch:
-        d, f = h.dev, h.host.flags
-        return SamplingBatch(
-            temperature=d.temperature, top_k=d.top_k.to(torch.int32), top_p=d.top_p,
-            min_p=d.min_p, keys=d.keys, counters=d.counters,
-            presence_penalty=d.presence_penalty, frequency_penalty=d.frequency_penalty,
-            repetition_penalty=d.repetition_penalty, ban_rows=d.ban_rows,
-            ban_tokens=d.ban_tokens, ban_until=d.ban_until, bias_rows=d.bias_rows, bias_tokens=d.bias_tokens,
-            bias_values=d.bias_values, token_pool=self.token_pool if f.any_penalties else None,
-            pool_rows=d.pool_rows, prompt_lens=d.prompt_lens, seq_lens=d.sample_seq_lens,
-            all_greedy=f.all_greedy, any_top_k=f.any_top_k, any_top_p=f.any_top_p,
-            any_min_p=f.any_min_p, any_penalties=f.any_penalties,
-            any_logit_bias=f.any_logit_bias, max_logprobs=f.max_logprobs,
-            token_bitmask=mask,
-        )
-
-    @torch.inference_mode()
     def sample(self, h: StepHandle) -> None:
-        """Sample step t+1 with the state committed at t; write tokens where forward t+2 reads."""
-        if h.logits is None and h.deferred is None:
-            # Nothing to sample, but the fence must still be recorded: commit(t) waiting on it is
-            # what makes the slot's staging buffers reusable at t+2.
-            h.slot.download(self.streams, 0, -1)
-            return
-        if h.marks is not None:
-            self.probe.mark(h.marks, "smp_start")
-        mask = self._token_bitmask(h)
-        if h.deferred is not None:
-            if mask is None and self._sample_graphed(h):
-                return
-            h.logits = self.model.compute_logits(h.deferred[1])
-        batch, k = self._sampling_batch(h, mask), h.max_logprobs
-        if h.host.widths is None:
-            out = self.sampler(h.logits, batch, overwrite=True)
-            tokens, lps = out.token_ids, (out.logprobs, out.ranks, out.topk_ids,
-                                          out.topk_logprobs)
-        else:
-            tokens, raw = self.spec.sample(self.sampler, h.logits, batch, h.dev, self.token_pool,
-                                           h.host.spec_k, h.host.only_spec)
-            lps = token_logprobs(raw, tokens.clamp(min=0), k) if raw is not None else None
-        rows = h.host.num_virtual
-        views = h.slot.output_views(rows, max(k, 0))
-        views.tokens.copy_(tokens)
-        if k >= 0:
-            views.logprob.copy_(lps[0])
-            views.ranks.copy_(lps[1])
-            if k > 0:
-                views.topk_ids.copy_(lps[2])
-                views.topk_lp.copy_(lps[3])
-        self._advance(h, tokens)
-        if h.marks is not None:
-            self.probe.mark(h.marks, "smp_end")
-        # The other ranks sampled the same tokens into their pools; only rank 0's reach the host.
-        h.slot.download(self.streams, rows if self.tp.is_first else 0, k)
-
-    def _sample_graphed(self, h: StepHandle) -> bool:
-        """The step's sampling by its sampling graph, if it has one (False: sample eagerly)."""
-        key = self.sample_graphs.key(h.deferred[0], h.host, len(h.rows), h.propose,
-                                     h.host.inputs.propose_reqs.size)
-        if key is None:
-            return False
-        rows = h.host.num_virtual
-        h.slot.output_views(rows, 0).tokens.copy_(self.sample_graphs.run(key, h.dev))
-        if h.propose and not key.propose:  # a proposer with graphs of its own
-            self._bind_draft(h)
-            self.spec.propose(h.dev.propose_reqs, self.token_pool)
-        if h.marks is not None:
-            self.probe.mark(h.marks, "smp_end")
-        h.slot.download(self.streams, rows, -1)
-        return True
-
-    def _advance(self, h: StepHandle, tokens: torch.Tensor) -> None:
-        """The step's tokens into the pool where the next step reads them. With speculation:
-        the device lengths, then the next drafts when the plan says so (its K_eff > 0: a step
-        verifying none, the adaptive switch's choice while the batch stays large, predicts the
-        next one, so it skips the proposer's cost). A step without speculative rows (plain
-        rows of speculative requests included) takes the plain path; one that proposes nothing
-        either leaves the device lengths alone (photon.worker.spec_step: nothing reads them
-        before the request's next proposing step sets them)."""
-        spec = self.spec
-        if spec is not None and h.host.widths is not None:
-            spec.advance(tokens, h.dev, self.token_pool, h.host.spec_k, h.host.only_spec)
-        else:
-            self.token_pool.view(-1)[h.dev.sample_pool_idx] = tokens.to(torch.int32)
-            if spec is not None and h.propose:
-                spec.advance_plain(h.dev)
-        if spec is not None and h.propose:
-            self._bind_draft(h)
-            spec.propose(h.dev.propose_reqs, self.token_pool)
-
-    def _bind_draft(self, h: StepHandle) -> None:
-        """The draft model's step for the requests that propose after step `h`."""
-        num = h.host.inputs.propose_reqs.size
-        if self.draft is not None and num:
-            self.spec.proposer.bind(self.draft.decode(h.dev, staged_rows(h.dev), num))
+        """Sample step t+1 with the state committed at t (photon.worker.sample_stage)."""
+        self.sampling.sample(h, self.probe)
 
     # ---- commit's wait -----------------------------------------------------------------------
     def sync(self, h: StepHandle) -> None:

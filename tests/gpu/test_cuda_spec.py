@@ -96,10 +96,10 @@ def test_greedy_steps_sample_in_their_graph_cuda(rows: int) -> None:
     graphed = LLM(pipelined=True, speculative_config=spec, max_num_seqs=rows, **KW)
     out_g, _ = run(graphed, specs)
     eager = LLM(pipelined=True, speculative_config=spec, max_num_seqs=rows, **KW)
-    eager.engine.runner.sample_graphs = None
+    eager.engine.runner.sampling.graphs = None
     out_e, _ = run(eager, specs)
     assert out_g == out_e == base
-    assert graphed.engine.runner.sample_graphs.replays > 0
+    assert graphed.engine.runner.sampling.graphs.replays > 0
     c_g, c_e = (llm.engine.runner.spec.counters for llm in (graphed, eager))
     assert (c_g.num_drafts, c_g.num_accepted_tokens) == (c_e.num_drafts, c_e.num_accepted_tokens)
     assert c_g.num_accepted_tokens > 0
@@ -112,4 +112,4 @@ def test_no_hidden_sync_in_sampling_graphs(sync_debug_error: list[int]) -> None:
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 2
     prompts = ["def f(x):\n    return x + 1\n" * (i + 2) for i in range(2)]
     run_speculative_without_sync(llm.engine, prompts, params, sync_debug_error)
-    assert llm.engine.runner.sample_graphs.replays > 0
+    assert llm.engine.runner.sampling.graphs.replays > 0
