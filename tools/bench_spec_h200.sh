@@ -22,7 +22,7 @@
 #
 # The matrix: the bench pair with K = 1..5 (adaptive switch off) for ngram and draft_model, and
 # K = 5 with the switch on (it picks K_eff <= 5 per step); the committed pair with K = 1, 3, 5 off
-# and 5 on. Each engine is built once and reused for every batch size (see photon/bench/spec.py).
+# and 5 on, and a second no-speculation engine (`--control`: the paired method's own noise). Each engine is built once and reused for every batch size (see photon/bench/spec.py).
 #
 # Time on an H200: `bench spec` (paired: each speculative cell also times the no-speculation
 # engine twice) took 303 s for the bench pair and 143 s for the committed pair; training takes
@@ -69,6 +69,6 @@ pair="${BENCH_PAIR:-$out/bench}"
 spec bench_pair --model "$pair/photon-bench" --draft "$pair/photon-bench-draft" \
   --num-speculative-tokens 1 2 3 4 5 --adaptive-num-speculative-tokens 5
 spec tiny_pair --model photon/assets/photon-tiny --draft photon/assets/photon-tiny-draft \
-  --num-speculative-tokens 1 3 5 --adaptive-num-speculative-tokens 5
+  --num-speculative-tokens 1 3 5 --adaptive-num-speculative-tokens 5 --control
 echo "[$(date -u +%H:%M:%S)] done, exit status $status; results in $out" | tee -a "$log"
 exit "$status"
