@@ -31,11 +31,11 @@ def _row(req: int, start: int, n: int = 1, blocks: int = 8, speculative: bool = 
 
 def test_a_skipped_step_marks_where_each_request_starts_lagging() -> None:
     lag = DraftLag(num_rows=4, block_size=BS, pool_width=64, max_tokens=32)
-    assert lag.step([_row(1, 5), _row(2, 9)], propose=False) == (True, [])
-    assert lag.step([_row(1, 6), _row(2, 10), _row(3, 0, n=4)], propose=False) == (True, [])
-    assert lag.since.tolist() == [-1, 5, 9, 0]  # the first skipped position, not the last
+    assert lag.step([_row(1, 5), _row(2, 9)], False, True) == (True, [])
+    assert lag.step([_row(1, 6), _row(2, 10), _row(3, 3)], False, True) == (True, [])
+    assert lag.since.tolist() == [-1, 5, 9, 3]  # the first skipped position, not the last
     lag.reset(3)  # the index left the table
-    skip, chunks = lag.step([_row(1, 7), _row(2, 11)], propose=True)
+    skip, chunks = lag.step([_row(1, 7), _row(2, 11)], True, True)
     assert not skip and len(chunks) == 1 and lag.since.tolist() == [-1] * 4
     c = chunks[0]
     assert c.positions.tolist() == [5, 6, 9, 10]
@@ -45,20 +45,24 @@ def test_a_skipped_step_marks_where_each_request_starts_lagging() -> None:
     assert c.slot_mapping.tolist() == [101 * BS + 1, 101 * BS + 2, 202 * BS + 1, 202 * BS + 2]
     assert c.block_tables.shape == (2, 3) and c.block_tables[1].tolist() == [200, 201, 202]
     # in step again: nothing to fill
-    assert lag.step([_row(1, 8), _row(2, 12)], propose=True) == (False, [])
+    assert lag.step([_row(1, 8), _row(2, 12)], True, True) == (False, [])
 
 
-def test_steps_with_a_speculative_row_or_proposals_run_the_draft() -> None:
+def test_only_plain_decode_steps_without_proposals_skip_the_draft() -> None:
+    """A step that proposes, or that is no plain decode step (a prompt chunk: its blocks may be
+    a later request's cached prefix; a speculative row), runs the draft, filling first."""
     lag = DraftLag(num_rows=2, block_size=BS, pool_width=64, max_tokens=32)
-    assert lag.step([_row(0, 3, speculative=True)], propose=False) == (False, [])
-    assert lag.step([_row(0, 4)], propose=True) == (False, [])
+    assert lag.step([_row(0, 3)], False, True) == (True, [])
+    skip, chunks = lag.step([_row(0, 4), _row(1, 0, n=6)], False, False)  # a prompt chunk
+    assert not skip and chunks[0].positions.tolist() == [3]
+    assert lag.step([_row(0, 5)], True, True) == (False, [])
     assert lag.since.tolist() == [-1, -1]
 
 
 def test_long_gaps_are_cut_into_chunks_a_request_at_most_once_per_chunk() -> None:
     lag = DraftLag(num_rows=3, block_size=BS, pool_width=64, max_tokens=8)
-    lag.step([_row(0, 2), _row(1, 10), _row(2, 0)], propose=False)
-    _, chunks = lag.step([_row(0, 22), _row(1, 13), _row(2, 3)], propose=True)
+    lag.step([_row(0, 2), _row(1, 10), _row(2, 0)], False, True)
+    _, chunks = lag.step([_row(0, 22), _row(1, 13), _row(2, 3)], True, True)
     pieces = [list(zip((c.pool_idx // 64).tolist(), c.positions.tolist())) for c in chunks]
     assert all(len(c.positions) <= 8 for c in chunks)
     got = sorted(p for chunk in pieces for p in chunk)

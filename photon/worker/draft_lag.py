@@ -4,19 +4,21 @@ Speculative method draft_model keeps the draft's KV cache in step with the targe
 the draft over every step's tokens (`DraftRunner.catch_up`). While the adaptive switch keeps
 speculation off, nothing reads that cache, so such steps skip the draft's forward: a step skips
 it when it proposes no drafts after sampling (`StepPlan.propose` False: the switch chose K_eff
-= 0) and has no speculative row (whose positions only the device knows). Before the next step
-that runs the draft, the positions skipped since are filled in one varlen forward of the draft
-over them (the chunks below), so the draft's cache again holds every position the target
-computed when it proposes.
+= 0) and is a plain decode step (one sampled token per row, no speculative row: no prompt chunk,
+whose blocks the prefix cache may hand to later requests, and no position only the device
+knows). Before the next step that runs the draft, the positions skipped since are filled in one
+varlen forward of the draft over them (the chunks below), so the draft's cache again holds every
+position the target computed when it proposes.
 
 Invariant (host side, updated in plan order while steps are staged): for each request index r,
 the draft's KV holds every position the target has computed, except those from `since[r]` on
 when `since[r] >= 0`. Skipped steps only run rows whose positions the host knows (plain rows and
 prompt chunks), so a row's `start` is exact wherever `since` is set or read.
 
-Prefix caching: a block computed in a skipped step and later hit by another request's prefix
-carries no draft KV until its first request fills it; the draft then proposes from a cache
-missing part of that prefix (fewer accepted drafts; the tokens are the target's either way).
+Prefix caching: prompt blocks always carry the draft's KV (prompt chunks never skip). A block of
+output tokens decoded in skipped steps carries none until its request fills it; a later request
+whose prefix hits it (a next turn holding this answer) has the draft propose from a cache
+missing those positions: fewer accepted drafts, the same tokens.
 """
 
 from __future__ import annotations
@@ -63,13 +65,14 @@ class DraftLag:
         """A request index left or entered the table: nothing skipped for it."""
         self.since[req_index] = -1
 
-    def step(self, rows: list[ScheduledRow], propose: bool) -> tuple[bool, list[FillChunk]]:
+    def step(self, rows: list[ScheduledRow], propose: bool, plain_decode: bool
+             ) -> tuple[bool, list[FillChunk]]:
         """(whether a step of `rows` skips the draft's catch-up, the chunks to fill before it
-        runs it): it skips when it proposes nothing after sampling and has no speculative
-        row."""
+        runs it): it skips when it proposes nothing after sampling and is a plain decode step
+        (`plain_decode`: one sampled token per row, none speculative)."""
         req = np.fromiter((r.req_index for r in rows), dtype=I64, count=len(rows))
         starts = np.fromiter((r.start for r in rows), dtype=I64, count=len(rows))
-        if not propose and not any(r.speculative for r in rows):
+        if not propose and plain_decode:
             self.skip(req, starts)
             return True, []
         return False, self.catch_up(rows, req, starts)

@@ -270,7 +270,8 @@ class ModelRunner:
         if plan.empty:
             return None
         rows = plan.rows
-        if is_plain_decode(rows):
+        plain_decode = is_plain_decode(rows)
+        if plain_decode:
             self.table.sync_blocks(rows)
             host = build_decode_inputs(rows, self.table, self.block_size, self.pool_width,
                                        self.draft_lookahead)
@@ -282,7 +283,7 @@ class ModelRunner:
         self.table.pool_valid[idx] = valid
         fill: list[FillChunk] = []
         if self.draft_lag is not None:
-            host.skip_draft, fill = self.draft_lag.step(rows, plan.propose)
+            host.skip_draft, fill = self.draft_lag.step(rows, plan.propose, plain_decode)
         calibrating = self.kv_scales is not None and self.kv_scales.calibrating
         graph_key = None if self.graphs is None or calibrating else self.graphs.plan(rows, host)
         if graph_key is None and self.piecewise is not None and not calibrating:
