@@ -29,8 +29,14 @@ def _row(req: int, start: int, n: int = 1, blocks: int = 8, speculative: bool = 
                         speculative=speculative)
 
 
+def _lag(num_rows: int, max_tokens: int = 32) -> DraftLag:
+    """Request r holds blocks 100 r + b (as `_row` lists them; the table the runner syncs)."""
+    tables = np.array([[100 * r + b for b in range(8)] for r in range(num_rows)])
+    return DraftLag(num_rows, 100 * num_rows, BS, 64, max_tokens, tables)
+
+
 def test_a_skipped_step_marks_where_each_request_starts_lagging() -> None:
-    lag = DraftLag(num_rows=4, block_size=BS, pool_width=64, max_tokens=32)
+    lag = _lag(4)
     assert lag.step([_row(1, 5), _row(2, 9)], False, True) == (True, [])
     assert lag.step([_row(1, 6), _row(2, 10), _row(3, 3)], False, True) == (True, [])
     assert lag.since.tolist() == [-1, 5, 9, 3]  # the first skipped position, not the last
@@ -51,7 +57,7 @@ def test_a_skipped_step_marks_where_each_request_starts_lagging() -> None:
 def test_only_plain_decode_steps_without_proposals_skip_the_draft() -> None:
     """A step that proposes, or that is no plain decode step (a prompt chunk: its blocks may be
     a later request's cached prefix; a speculative row), runs the draft, filling first."""
-    lag = DraftLag(num_rows=2, block_size=BS, pool_width=64, max_tokens=32)
+    lag = _lag(2)
     assert lag.step([_row(0, 3)], False, True) == (True, [])
     skip, chunks = lag.step([_row(0, 4), _row(1, 0, n=6)], False, False)  # a prompt chunk
     assert not skip and chunks[0].positions.tolist() == [3]
@@ -60,7 +66,7 @@ def test_only_plain_decode_steps_without_proposals_skip_the_draft() -> None:
 
 
 def test_long_gaps_are_cut_into_chunks_a_request_at_most_once_per_chunk() -> None:
-    lag = DraftLag(num_rows=3, block_size=BS, pool_width=64, max_tokens=8)
+    lag = _lag(3, max_tokens=8)
     lag.step([_row(0, 2), _row(1, 10), _row(2, 0)], False, True)
     _, chunks = lag.step([_row(0, 22), _row(1, 13), _row(2, 3)], True, True)
     pieces = [list(zip((c.pool_idx // 64).tolist(), c.positions.tolist())) for c in chunks]
@@ -77,6 +83,25 @@ def test_long_gaps_are_cut_into_chunks_a_request_at_most_once_per_chunk() -> Non
     # request 0's pieces run in order: 2-9, 10-17, 18-21
     firsts = [c.positions[0] for c in chunks if c.pool_idx[0] // 64 == 0]
     assert firsts == sorted(firsts)
+
+
+def test_a_cached_prefix_with_skipped_positions_is_filled_for_the_next_request() -> None:
+    """Request 1 decodes positions 5 and 6 (block 101) with the draft skipped and leaves
+    unfilled; request 2's cached prefix holds that block (shared blocks 100, 101, 102 of 1):
+    its first row lags from the block's first position, the fill covers it, and the block is no
+    longer marked."""
+    lag = _lag(4)
+    lag.step([_row(1, 5), _row(0, 9)], False, True)
+    lag.step([_row(1, 6), _row(0, 10)], False, True)
+    assert lag.missing[[101, 2]].all() and lag.missing.sum() == 2
+    lag.reset(1)  # request 1 finished lagging
+    shared = ScheduledRow(2, 12, 1, True, 0, [100, 101, 102, 200])  # a 12-token cached prefix
+    skip, chunks = lag.step([shared], True, True)
+    assert not skip and chunks[0].positions.tolist() == list(range(4, 12))
+    assert chunks[0].slot_mapping.tolist()[:4] == [101 * BS + i for i in range(4)]
+    assert not lag.missing[101] and lag.missing[2]
+    # a fresh request whose prefix has no marked block lags from nowhere
+    assert lag.step([ScheduledRow(3, 4, 1, True, 0, [100, 300])], True, True) == (False, [])
 
 
 def _count_draft_work(llm: object) -> dict[str, int]:
@@ -133,3 +158,38 @@ def test_skipped_steps_replay_the_lean_decode_graphs(target: str,  # noqa: F811
     drafts = _spec_rows(audit)
     counters = llm.engine.runner.spec.counters
     assert counters.num_accepted_tokens == sum(drafts) > 0
+
+
+class _Switch:
+    """A policy the test turns on and off."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def choose(self, batch_size: int) -> int:
+        return self.k
+
+    def committed(self, step: int, batch_size: int, k: int, decode_only: bool) -> None:
+        pass
+
+
+def test_a_next_turn_hits_an_answer_decoded_with_the_draft_skipped(target: str) -> None:  # noqa: F811
+    """Turn 1 decodes with speculation off (the draft skipped); turn 2's prompt is turn 1's prompt
+    and answer, served from the prefix cache, and speculates: the draft, equal to the target,
+    has every draft accepted only if the cached answer's positions were filled first."""
+    from photon import SamplingParams
+    from tests.test_spec_adaptive import K
+
+    llm = _draft_llm(target, target, True, block_size=4)
+    switch = _Switch(0)
+    llm.engine.scheduler.spec_policy = switch
+    prompt = list(range(3, 23))
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    answer = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    switch.k = K
+    second = llm.generate([prompt + answer + [7, 8]], greedy, use_tqdm=False)[0]
+    llm.engine.assert_drained()
+    assert second.num_cached_tokens >= len(prompt) + len(answer) - 4  # the answer's blocks
+    counters = llm.engine.runner.spec.counters
+    assert counters.num_drafts > 0
+    assert counters.num_accepted_tokens == counters.num_draft_tokens

@@ -12,13 +12,13 @@ position the target computed when it proposes.
 
 Invariant (host side, updated in plan order while steps are staged): for each request index r,
 the draft's KV holds every position the target has computed, except those from `since[r]` on
-when `since[r] >= 0`. Skipped steps only run rows whose positions the host knows (plain rows and
-prompt chunks), so a row's `start` is exact wherever `since` is set or read.
+when `since[r] >= 0`. Skipped steps only run plain decode rows, whose positions the host knows,
+so a row's `start` is exact wherever `since` is set or read.
 
-Prefix caching: prompt blocks always carry the draft's KV (prompt chunks never skip). A block of
-output tokens decoded in skipped steps carries none until its request fills it; a later request
-whose prefix hits it (a next turn holding this answer) has the draft propose from a cache
-missing those positions: fewer accepted drafts, the same tokens.
+Prefix caching: a block holding a position decoded in a skipped step is marked (`missing`, by
+block id) until a fill covers it; a request's first row checks the blocks of its cached prefix
+and lags from the first marked one, so the draft never proposes from a prefix whose KV it lacks
+(a next turn holding an answer decoded while the switch was off). Prompt chunks never skip.
 """
 
 from __future__ import annotations
@@ -54,16 +54,20 @@ class _Segment:
 
 
 class DraftLag:
-    def __init__(self, num_rows: int, block_size: int, pool_width: int,
-                 max_tokens: int) -> None:
+    def __init__(self, num_rows: int, num_blocks: int, block_size: int, pool_width: int,
+                 max_tokens: int, tables: np.ndarray) -> None:
         self.since = np.full(num_rows, -1, dtype=I64)
+        self.fresh = np.ones(num_rows, dtype=bool)  # no row of the index seen since its reset
+        self.missing = np.zeros(num_blocks, dtype=bool)  # blocks with a skipped position
         self.block_size = block_size
         self.pool_width = pool_width
         self.max_tokens = max_tokens  # query tokens per fill chunk
+        self.tables = tables  # the runner's block tables, synced for plain decode steps
 
     def reset(self, req_index: int) -> None:
         """A request index left or entered the table: nothing skipped for it."""
         self.since[req_index] = -1
+        self.fresh[req_index] = True
 
     def step(self, rows: list[ScheduledRow], propose: bool, plain_decode: bool
              ) -> tuple[bool, list[FillChunk]]:
@@ -72,15 +76,33 @@ class DraftLag:
         (`plain_decode`: one sampled token per row, none speculative)."""
         req = np.fromiter((r.req_index for r in rows), dtype=I64, count=len(rows))
         starts = np.fromiter((r.start for r in rows), dtype=I64, count=len(rows))
+        self._check_prefixes(rows, req)
         if not propose and plain_decode:
             self.skip(req, starts)
             return True, []
         return False, self.catch_up(rows, req, starts)
 
+    def _check_prefixes(self, rows: list[ScheduledRow], req: np.ndarray) -> None:
+        """A request's first row: lag from the first marked block of its cached prefix."""
+        first = np.nonzero(self.fresh[req])[0]
+        if first.size == 0:
+            return
+        self.fresh[req[first]] = False
+        for i in first.tolist():
+            r = rows[i]
+            blocks = r.block_ids[:r.start // self.block_size]
+            marked = np.nonzero(self.missing[blocks])[0] if blocks else ()
+            if len(marked):
+                pos = int(marked[0]) * self.block_size
+                since = int(self.since[r.req_index])
+                self.since[r.req_index] = pos if since < 0 else min(since, pos)
+
     def skip(self, req: np.ndarray, starts: np.ndarray) -> None:
-        """A step whose rows (request indices `req`, first positions `starts`) skip the draft."""
+        """A plain decode step whose rows (request indices `req`, positions `starts`) skip the
+        draft: their blocks are marked."""
         fresh = self.since[req] < 0
         self.since[req[fresh]] = starts[fresh]
+        self.missing[self.tables[req, starts // self.block_size]] = True
 
     def catch_up(self, rows: list[ScheduledRow], req: np.ndarray,
                  starts: np.ndarray) -> list[FillChunk]:
@@ -93,6 +115,9 @@ class DraftLag:
             return []
         segments = [_Segment(int(req[i]), int(since[i]), int(starts[i]), rows[i].block_ids)
                     for i in lagging.tolist()]
+        bs = self.block_size
+        for s in segments:  # filled below, before anything reads them
+            self.missing[s.block_ids[s.start // bs:(s.end - 1) // bs + 1]] = False
         return [self._chunk(group) for group in self._groups(segments)]
 
     def _groups(self, segments: list[_Segment]) -> list[list[_Segment]]:

@@ -122,6 +122,9 @@ class ModelRunner:
                                       device=self.device)
         max_blocks = math.ceil(self.pool_width / self.block_size)
         self.table = RequestTable(num_rows, max_blocks)
+        self.draft_lag = None if self.draft_config is None else DraftLag(
+            num_rows, self.num_blocks, self.block_size, self.pool_width,
+            config.scheduler.max_num_batched_tokens, self.table.block_tables)
         self.streams = Streams(self.device,
                                device_waits=config.structured_outputs.mask_wait == "device")
         tokens = config.scheduler.max_num_batched_tokens
@@ -135,8 +138,7 @@ class ModelRunner:
             self.backend, self.device)
         # KV positions the scheduler reserves past a row's target writes for the draft's steps
         self.draft_lookahead = 0 if self.draft is None else spec.k
-        self.draft_lag = None if self.draft is None else DraftLag(
-            num_rows, self.block_size, self.pool_width, config.scheduler.max_num_batched_tokens)
+
         # Sampling rows: a speculative row samples K + 1.
         sampling_rows = max_seqs * (1 + (spec.k if spec is not None else 0))
         self.slots = [StepSlot(i, self.device, sampling_rows, MAX_LOGPROBS,
