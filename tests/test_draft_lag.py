@@ -9,6 +9,7 @@ import pytest
 
 from photon.core.step import ScheduledRow
 from photon.worker.draft_lag import DraftLag
+from photon.worker.request_table import RequestTable
 from tests.test_pipeline import run
 from tests.test_spec_adaptive import _specs
 from tests.test_spec_plain_rows import (
@@ -30,9 +31,12 @@ def _row(req: int, start: int, n: int = 1, blocks: int = 8, speculative: bool = 
 
 
 def _lag(num_rows: int, max_tokens: int = 32) -> DraftLag:
-    """Request r holds blocks 100 r + b (as `_row` lists them; the table the runner syncs)."""
-    tables = np.array([[100 * r + b for b in range(8)] for r in range(num_rows)])
-    return DraftLag(num_rows, 100 * num_rows, BS, 64, max_tokens, tables)
+    """Request r holds blocks 100 r + b (as `_row` lists them; the table the runner syncs) and
+    its first 64 tokens are in the pool."""
+    table = RequestTable(num_rows, 8)
+    table.block_tables[:] = [[100 * r + b for b in range(8)] for r in range(num_rows)]
+    table.pool_valid[:] = 64
+    return DraftLag(num_rows, 100 * num_rows, BS, 64, max_tokens, table)
 
 
 def test_a_skipped_step_marks_where_each_request_starts_lagging() -> None:
@@ -49,7 +53,7 @@ def test_a_skipped_step_marks_where_each_request_starts_lagging() -> None:
     assert c.seq_lens.tolist() == [7, 11] and c.query_lens.tolist() == [2, 2]
     # slots from the rows' own blocks: position p of request r is block 100 r + p // 4
     assert c.slot_mapping.tolist() == [101 * BS + 1, 101 * BS + 2, 202 * BS + 1, 202 * BS + 2]
-    assert c.block_tables.shape == (2, 3) and c.block_tables[1].tolist() == [200, 201, 202]
+    assert c.block_tables[1, :3].tolist() == [200, 201, 202]
     # in step again: nothing to fill
     assert lag.step([_row(1, 8), _row(2, 12)], True, True) == (False, [])
 

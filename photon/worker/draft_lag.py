@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from photon.core.step import ScheduledRow
+from photon.worker.inputs import row_block_tables, token_arrays
+from photon.worker.request_table import RequestTable
 
 I64 = np.int64
 
@@ -55,14 +57,14 @@ class _Segment:
 
 class DraftLag:
     def __init__(self, num_rows: int, num_blocks: int, block_size: int, pool_width: int,
-                 max_tokens: int, tables: np.ndarray) -> None:
+                 max_tokens: int, table: RequestTable) -> None:
         self.since = np.full(num_rows, -1, dtype=I64)
         self.fresh = np.ones(num_rows, dtype=bool)  # no row of the index seen since its reset
         self.missing = np.zeros(num_blocks, dtype=bool)  # blocks with a skipped position
         self.block_size = block_size
         self.pool_width = pool_width
         self.max_tokens = max_tokens  # query tokens per fill chunk
-        self.tables = tables  # the runner's block tables, synced for plain decode steps
+        self.table = table  # the runner's (block tables synced for plain decode steps)
 
     def reset(self, req_index: int) -> None:
         """A request index left or entered the table: nothing skipped for it."""
@@ -102,7 +104,7 @@ class DraftLag:
         draft: their blocks are marked."""
         fresh = self.since[req] < 0
         self.since[req[fresh]] = starts[fresh]
-        self.missing[self.tables[req, starts // self.block_size]] = True
+        self.missing[self.table.block_tables[req, starts // self.block_size]] = True
 
     def catch_up(self, rows: list[ScheduledRow], req: np.ndarray,
                  starts: np.ndarray) -> list[FillChunk]:
@@ -139,18 +141,13 @@ class DraftLag:
         return groups
 
     def _chunk(self, group: list[_Segment]) -> FillChunk:
-        bs = self.block_size
-        positions = np.concatenate([np.arange(s.start, s.end, dtype=I64) for s in group])
-        width = max(-(-s.end // bs) for s in group)
-        tables = np.zeros((len(group), width), dtype=I64)
-        for i, s in enumerate(group):
-            ids = s.block_ids[:width]
-            tables[i, :len(ids)] = ids
-        seg = np.repeat(np.arange(len(group)), [s.end - s.start for s in group])
-        req = np.array([s.req for s in group], dtype=I64)
-        slots = tables[seg, positions // bs] * bs + positions % bs
-        return FillChunk(pool_idx=req[seg] * self.pool_width + positions, positions=positions,
-                         slot_mapping=slots,
-                         seq_lens=np.array([s.end for s in group], dtype=I64),
-                         query_lens=np.array([s.end - s.start for s in group], dtype=I64),
-                         block_tables=tables)
+        """The segments as the rows of a step that samples nothing (the step builder's token
+        arrays and block tables; every token is in the pool already)."""
+        rows = [ScheduledRow(g.req, g.start, g.end - g.start, False, 0, g.block_ids)
+                for g in group]
+        positions, pool_idx, slots, _, _ = token_arrays(rows, self.table, self.block_size,
+                                                        self.pool_width)
+        return FillChunk(pool_idx=pool_idx, positions=positions, slot_mapping=slots,
+                         seq_lens=np.array([g.end for g in group], dtype=I64),
+                         query_lens=np.array([g.end - g.start for g in group], dtype=I64),
+                         block_tables=row_block_tables(rows, self.block_size))

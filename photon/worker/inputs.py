@@ -78,7 +78,7 @@ def i64(values: list[int]) -> np.ndarray:
     return np.fromiter(values, dtype=I64, count=len(values))
 
 
-def _token_arrays(rows: list[ScheduledRow], table: RequestTable, block_size: int,
+def token_arrays(rows: list[ScheduledRow], table: RequestTable, block_size: int,
                   pool_width: int) -> tuple[np.ndarray, ...]:
     """(positions, pool_idx, slot_mapping, write_idx, write_ids). Decode rows (one token) take a
     scalar path: this runs for every row of every step, so it avoids per-row numpy calls."""
@@ -114,7 +114,7 @@ def _token_arrays(rows: list[ScheduledRow], table: RequestTable, block_size: int
     return i64(positions), i64(pool_idx), i64(slots), i64(write_idx), i64(write_ids)
 
 
-def _block_tables(rows: list[ScheduledRow], block_size: int) -> np.ndarray:
+def row_block_tables(rows: list[ScheduledRow], block_size: int) -> np.ndarray:
     """Zero-padded (the null block): a speculative row's table spans its host bound of seq_len,
     so the device finds every position it may resolve in it."""
     width = max(max(len(r.block_ids), -(-r.seq_len // block_size) if r.speculative else 0)
@@ -190,7 +190,7 @@ def _sampling(rows: list[ScheduledRow], qsl: np.ndarray) -> _Sampling:
 def build_step_inputs(rows: list[ScheduledRow], table: RequestTable, block_size: int,
                       pool_width: int) -> HostStep:
     """Any mix of prefill chunks, decode rows and speculative rows."""
-    positions, pool_idx, slots, write_idx, write_ids = _token_arrays(rows, table, block_size,
+    positions, pool_idx, slots, write_idx, write_ids = token_arrays(rows, table, block_size,
                                                                      pool_width)
     qlens = [r.num_tokens for r in rows]
     qsl = np.zeros(len(rows) + 1, dtype=I64)
@@ -205,7 +205,7 @@ def build_step_inputs(rows: list[ScheduledRow], table: RequestTable, block_size:
     sampled_req = i64([rows[i].req_index for i in smp.rows])
     inputs = StepInputs(
         positions, pool_idx, slots, write_idx, write_ids, i64(seq_lens), qsl,
-        _block_tables(rows, block_size), smp.logits_idx, g.top_k, g.keys, smp.counters, req,
+        row_block_tables(rows, block_size), smp.logits_idx, g.top_k, g.keys, smp.counters, req,
         g.prompt_lens, smp.seq_lens, req * pool_width + smp.seq_lens, ban_rows, ban_tokens,
         ban_until, bias_rows, bias_tokens, plp_idx, plp_tokens, smp.spec_rows,
         i64([rows[i].req_index for i in smp.spec_rows.tolist()]), smp.spec_vrows,

@@ -124,7 +124,7 @@ class ModelRunner:
         self.table = RequestTable(num_rows, max_blocks)
         self.draft_lag = None if self.draft_config is None else DraftLag(
             num_rows, self.num_blocks, self.block_size, self.pool_width,
-            config.scheduler.max_num_batched_tokens, self.table.block_tables)
+            config.scheduler.max_num_batched_tokens, self.table)
         self.streams = Streams(self.device,
                                device_waits=config.structured_outputs.mask_wait == "device")
         tokens = config.scheduler.max_num_batched_tokens

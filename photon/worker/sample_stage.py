@@ -17,7 +17,7 @@ from photon.structured.bitmask import MaskViews, TokenMask
 from photon.worker.cuda_graph import staged_rows
 from photon.worker.draft_runner import DraftRunner
 from photon.worker.probe import StepProbe
-from photon.worker.sampler import Sampler, SamplingBatch, token_logprobs
+from photon.worker.sampler import Sampler, step_batch, token_logprobs
 from photon.worker.slots import Streams
 from photon.worker.spec_sample_graphs import SpecSampleGraphs
 from photon.worker.spec_step import SpecDecoder
@@ -52,22 +52,6 @@ class SampleStage:
         return self.mask_views(h.slot.upload_mask(self.streams, masks.mask, masks.fence),
                                h.host.num_virtual)
 
-    def _sampling_batch(self, h: StepHandle, mask: TokenMask | None) -> SamplingBatch:
-        d, f = h.dev, h.host.flags
-        return SamplingBatch(
-            temperature=d.temperature, top_k=d.top_k.to(torch.int32), top_p=d.top_p,
-            min_p=d.min_p, keys=d.keys, counters=d.counters,
-            presence_penalty=d.presence_penalty, frequency_penalty=d.frequency_penalty,
-            repetition_penalty=d.repetition_penalty, ban_rows=d.ban_rows,
-            ban_tokens=d.ban_tokens, ban_until=d.ban_until, bias_rows=d.bias_rows, bias_tokens=d.bias_tokens,
-            bias_values=d.bias_values, token_pool=self.token_pool if f.any_penalties else None,
-            pool_rows=d.pool_rows, prompt_lens=d.prompt_lens, seq_lens=d.sample_seq_lens,
-            all_greedy=f.all_greedy, any_top_k=f.any_top_k, any_top_p=f.any_top_p,
-            any_min_p=f.any_min_p, any_penalties=f.any_penalties,
-            any_logit_bias=f.any_logit_bias, max_logprobs=f.max_logprobs,
-            token_bitmask=mask,
-        )
-
     @torch.inference_mode()
     def sample(self, h: StepHandle, probe: StepProbe | None) -> None:
         """Sample step t+1 with the state committed at t; write tokens where forward t+2 reads."""
@@ -83,7 +67,8 @@ class SampleStage:
             if mask is None and self._sample_graphed(h, probe):
                 return
             h.logits = self.compute_logits(h.deferred[1])
-        batch, k = self._sampling_batch(h, mask), h.max_logprobs
+        batch = step_batch(h.dev, h.host.flags, self.token_pool, mask)
+        k = h.max_logprobs
         if h.host.widths is None:
             out = self.sampler(h.logits, batch, overwrite=True)
             tokens, lps = out.token_ids, (out.logprobs, out.ranks, out.topk_ids,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from photon.core.inputs import SamplingFlags, StepInputs
 from photon.core.sampling import CTR_SALT, M32, MUL_A, MUL_B, ROW_SALT, VOCAB_SALT
 from photon.kernels import has_triton
 from photon.structured.bitmask import TokenMask, apply_token_bitmask
@@ -60,6 +61,24 @@ class SamplingBatch:
     # [M] int64: ban i holds only while counters[ban_rows[i]] < ban_until[i] (min_tokens against
     # the device's output index); None: every ban holds.
     ban_until: Tensor | None = None
+
+
+def step_batch(dev: StepInputs[Tensor], flags: SamplingFlags, token_pool: Tensor,
+               mask: TokenMask | None) -> SamplingBatch:
+    """The batch of a staged step's sampling rows (device views `dev`, the host's `flags`)."""
+    return SamplingBatch(
+        temperature=dev.temperature, top_k=dev.top_k.to(torch.int32), top_p=dev.top_p,
+        min_p=dev.min_p, keys=dev.keys, counters=dev.counters,
+        presence_penalty=dev.presence_penalty, frequency_penalty=dev.frequency_penalty,
+        repetition_penalty=dev.repetition_penalty, ban_rows=dev.ban_rows,
+        ban_tokens=dev.ban_tokens, ban_until=dev.ban_until, bias_rows=dev.bias_rows,
+        bias_tokens=dev.bias_tokens, bias_values=dev.bias_values,
+        token_pool=token_pool if flags.any_penalties else None, pool_rows=dev.pool_rows,
+        prompt_lens=dev.prompt_lens, seq_lens=dev.sample_seq_lens,
+        all_greedy=flags.all_greedy, any_top_k=flags.any_top_k, any_top_p=flags.any_top_p,
+        any_min_p=flags.any_min_p, any_penalties=flags.any_penalties,
+        any_logit_bias=flags.any_logit_bias, max_logprobs=flags.max_logprobs,
+        token_bitmask=mask)
 
 
 @dataclass

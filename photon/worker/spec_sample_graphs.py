@@ -32,7 +32,7 @@ from torch import Tensor
 from photon.core.inputs import SamplingFlags, StepInputs
 from photon.worker.cuda_graph import Captured
 from photon.worker.inputs import HostStep
-from photon.worker.sampler import Sampler, SamplingBatch
+from photon.worker.sampler import Sampler, SamplingBatch, step_batch
 from photon.worker.spec_graphs import SpecGraphs, SpecKey
 from photon.worker.spec_step import SpecDecoder
 
@@ -125,7 +125,7 @@ class SpecSampleGraphs:
         torch.cuda.synchronize()
         for key in sorted(self.keys, key=lambda key: -key.spec.num_tokens):
             consts = self._inputs(key.spec.batch, key.spec.k)
-            batch = _greedy_batch(consts)
+            batch = step_batch(consts, SamplingFlags(), self.pool, None)  # greedy, nothing else
             g = Captured(lambda key=key, c=consts, b=batch: self._sample(key, c, b), pool)
             pool = g.pool
             self.graphs[key] = g
@@ -142,16 +142,3 @@ class SpecSampleGraphs:
         out = self.graphs[key].replay()
         self.replays += 1
         return out
-
-
-def _greedy_batch(dev: StepInputs[Tensor]) -> SamplingBatch:
-    return SamplingBatch(
-        temperature=dev.temperature, top_k=dev.top_k.to(torch.int32), top_p=dev.top_p,
-        min_p=dev.min_p, keys=dev.keys, counters=dev.counters,
-        presence_penalty=dev.presence_penalty, frequency_penalty=dev.frequency_penalty,
-        repetition_penalty=dev.repetition_penalty, ban_rows=dev.ban_rows,
-        ban_tokens=dev.ban_tokens, token_pool=None, pool_rows=dev.pool_rows,
-        prompt_lens=dev.prompt_lens, seq_lens=dev.sample_seq_lens, all_greedy=True,
-        any_top_k=False, any_top_p=False, any_min_p=False, any_penalties=False,
-        max_logprobs=-1)
-
