@@ -153,3 +153,22 @@ def test_step_results_round_trip_through_msgpack() -> None:
     scores = [PromptScores(3, 1, [-1.5, -0.125], [4, 1], [[9], [2]], [[-0.5], [-0.125]]),
               PromptScores(0, 0, [-2.0], [7], [[]], [[]])]
     assert _roundtrip(scores, list[PromptScores]) == scores
+
+
+@pytest.mark.parametrize("depth", [2, 1])
+def test_a_finishing_requests_successor_starts_in_the_next_plan(depth: int) -> None:
+    """Two at a time: 'a' (2 outputs) ends while 'b' (6) runs and 'c' waits. The plan made while
+    a's last output is still in flight admits 'c' (a plans no more rows): no step runs 'b'
+    alone, and 'c' holds a request index of its own while 'a' still holds one."""
+    h = Harness(depth, max_num_seqs=2)
+    for seed, (rid, n) in enumerate({"a": 2, "b": 6, "c": 3}.items(), start=1):
+        h.add(make_request(rid, [10 * seed, 10 * seed + 1], n, seed=seed))
+    h.drain()
+    h.assert_drained()
+    plans = h.runner.raw_plans
+    assert [len(p.rows) for p in plans[:4]] == [2, 2, 2, 2]
+    assert [len(p.new_requests) for p in plans[:3]] == [2, 0, 1]
+    a_index = plans[0].new_requests[0].req_index
+    assert plans[2].new_requests[0].req_index != a_index
+    assert {rid: len(r.output_token_ids) for rid, r in h.requests.items()} == \
+        {"a": 2, "b": 6, "c": 3}

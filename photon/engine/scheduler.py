@@ -189,6 +189,7 @@ class Scheduler(SchedulerCommit):
             else k_choice
         out.spec_k = k_eff
         out.plan.propose = k_choice > 0
+        finishing = 0  # running requests with every output sampled: they end at its commit
         for req in list(self.running):  # a copy: preemption edits the list
             if budget == 0:
                 break
@@ -196,6 +197,7 @@ class Scheduler(SchedulerCommit):
             # running request every step.
             n_out = len(req.output_token_ids) + req.num_pending
             if req.status is not running or n_out >= req.max_tokens:
+                finishing += n_out >= req.max_tokens and req.status is running
                 continue  # preempted this step, or every output already sampled
             known = len(req.prompt_token_ids) + n_out
             # A live speculative request runs a plain row (positions from the host, the plain
@@ -213,7 +215,7 @@ class Scheduler(SchedulerCommit):
             if num_new > 0 and self._reserve(req, self._row_reserve(req, end, known)):
                 self._add_row(req, num_new, out)
                 budget -= num_new
-        self._admit_waiting(budget, out)
+        self._admit_waiting(budget, out, finishing)
         # A request preempted above with no step in flight released its index at once, and
         # admission may have handed that index to a new request: the runner drops the old
         # occupant first (it applies `released` before `new_requests`).
@@ -240,10 +242,15 @@ class Scheduler(SchedulerCommit):
         adaptive switch such a mixed step verifies no drafts (its speculative requests run one-
         position rows and still propose): it runs eagerly, where K + 1 positions per row cost
         their full share, and its time is no decode step's the cost model knows."""
-        if self.waiting and len(self.running) < self.max_running:
+        if self.waiting and (len(self.running) < self.max_running
+                             or len(self.running) - self._num_finishing() < self.max_running):
             return True
         return any(not r.spec_live and r.num_known_tokens - r.num_computed_tokens > 1
                    for r in self.running)
+
+    def _num_finishing(self) -> int:
+        """Running requests with every output sampled (see `_admit_waiting`)."""
+        return sum(len(r.output_token_ids) + r.num_pending >= r.max_tokens for r in self.running)
 
     def _plan_spec_row(self, req: Request, budget: int, out: SchedulerOutput, k: int) -> int:
         """A speculative row verifying `k` drafts for `req` if the budget and the KV cache
@@ -306,13 +313,18 @@ class Scheduler(SchedulerCommit):
                 return True
         return False
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+    def _admit_waiting(self, budget: int, out: SchedulerOutput, finishing: int) -> None:
         """Admit waiting requests in queue order (preempted ones wait at its head) while the
         budget, the batch and the KV cache allow. A request whose adapter finds no slot is
-        skipped (SlotGate): it keeps its place, and those behind it that can run go on."""
+        skipped (SlotGate): it keeps its place, and those behind it that can run go on.
+
+        The batch counts the running requests but the `finishing` ones: every output of those
+        is sampled, so they plan no more rows and end when their last step commits; their
+        successors start in this step rather than one step later. Their indices and KV blocks
+        stay theirs until then (the request table holds two steps' requests)."""
         waiting, skipped = self.waiting, []
         gate = SlotGate(self.lora, self.config.max_num_seqs) if self.lora is not None else None
-        while waiting and budget > 0 and len(self.running) < self.max_running:
+        while waiting and budget > 0 and len(self.running) - finishing < self.max_running:
             req = waiting[0]
             if req.inflight_refs > 0:
                 break  # a preempted request whose last step is still in flight (FCFS: wait)
