@@ -5,9 +5,17 @@ rows, padded batches) sample eagerly."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import gc
+import weakref
+from collections.abc import Iterator
+
 import pytest
+import torch
 
 from photon import LLM, SamplingParams
+from photon.core.inputs import StepInputs
 from photon.worker import spec_sample_graphs
 from photon.worker.spec_sample_graphs import SpecSampleGraphs
 from tests.test_pipeline import Spec, run
@@ -93,3 +101,48 @@ def test_a_draft_model_samples_in_the_graph_and_proposes_after_it(
     assert out == out_e
     assert sample.replays > 0
     assert _counters(llm) == _counters(eager) and _counters(llm)[1] > 0
+
+
+class _Graph:
+    """torch.cuda.CUDAGraph stood in for on CPU: `Captured` runs the capture eagerly."""
+
+    def pool(self) -> tuple[int, int]:
+        return (0, 1)
+
+
+@contextlib.contextmanager
+def _capture(graph: _Graph, pool: tuple | None = None) -> Iterator[None]:
+    yield
+
+
+def test_constant_inputs_live_as_long_as_their_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inputs a sampling graph's capture reads but its capture did not make (the constant
+    step inputs and their sampling batch) stay allocated while the graphs live: on the GPU a
+    freed one's memory went to other tensors, which the replays then overwrote. `Captured` is
+    the real one here, with torch's capture stood in for."""
+    llm = _llm(True, 3, dtype="float32", max_num_seqs=4)
+    graphs = _install_graphs(llm, monkeypatch)
+    for forward in graphs.spec.graphs.values():
+        forward.replay()  # the stand-in's output, which the sampling reads
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph", _capture)
+    made: list[weakref.ref] = []
+    inputs = SpecSampleGraphs._inputs
+
+    def recorded(self: SpecSampleGraphs, b: int, k: int) -> StepInputs:
+        consts = inputs(self, b, k)
+        tensors = (getattr(consts, f.name) for f in dataclasses.fields(consts))
+        made.extend(weakref.ref(t) for t in tensors if t.numel())
+        return consts
+
+    monkeypatch.setattr(SpecSampleGraphs, "_inputs", recorded)
+    r = llm.engine.runner
+    sample = SpecSampleGraphs(graphs.spec, r.model.compute_logits, r.spec, r.sampler,
+                              r.token_pool, r.spec.proposer.capturable)
+    sample.capture()
+    gc.collect()
+    assert sample.graphs and made
+    assert all(ref() is not None for ref in made)
+    del sample
+    gc.collect()
+    assert any(ref() is None for ref in made)

@@ -81,15 +81,16 @@ class GraphModel:
 class Captured:
     """One captured graph and its output tensor (in the shared pool).
 
-    The graph reads and writes the addresses of every tensor `forward` touched, those it closes
-    over included (inputs built outside the capture): holding `forward` keeps them allocated for
-    as long as the graph can replay. Freed, their memory would go to other tensors and a replay
-    would write into those.
+    The graph reads and writes the addresses of every tensor `forward` touched. Tensors made
+    inside the capture live in the graph's pool; those made outside it (inputs built for the
+    capture) must be kept alive by the caller for as long as the graph can replay: freed, their
+    memory goes to other tensors and a replay writes into those. `Captured` holds the graph and
+    its output only, not `forward`: a closure over a runner would keep a freed engine's memory
+    reachable from wherever the graph is.
     """
 
     def __init__(self, forward: Callable[[], torch.Tensor], pool: tuple | None) -> None:
         forward()  # warm-up outside the graph (lazy inits, Triton compiles and autotune)
-        self.forward = forward
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.out = forward()

@@ -73,6 +73,9 @@ class SpecSampleGraphs:
         self.sample_seq_lens = torch.ones(tokens, **i64)
         self.out = torch.zeros(tokens, **i64)
         self.graphs: dict[SampleKey, Captured] = {}
+        # Each graph's constant inputs, built outside its capture: the graph reads their
+        # addresses at every replay, so they live as long as it does (photon.worker.cuda_graph).
+        self.constants: dict[SampleKey, tuple[StepInputs[Tensor], SamplingBatch]] = {}
         self.replays = 0
 
     def key(self, graph_key: object, host: HostStep, num_rows: int, propose: bool,
@@ -126,6 +129,7 @@ class SpecSampleGraphs:
         for key in sorted(self.keys, key=lambda key: -key.spec.num_tokens):
             consts = self._inputs(key.spec.batch, key.spec.k)
             batch = step_batch(consts, SamplingFlags(), self.pool, None)  # greedy, nothing else
+            self.constants[key] = consts, batch
             g = Captured(lambda key=key, c=consts, b=batch: self._sample(key, c, b), pool)
             pool = g.pool
             self.graphs[key] = g
