@@ -23,7 +23,6 @@ from photon.bench.spec_report import (
     full_step_share,
     output_lengths,
     settings,
-    summarize_steps,
 )
 from photon.cli import main
 from photon.model.tiny import PHOTON_TINY, PHOTON_TINY_DRAFT, builtin_model_path
@@ -51,7 +50,6 @@ def test_step_recorder_times_consecutive_decode_steps_by_k() -> None:
     rec.committed(6, 4, 2, True)  # not consecutive (step 5 missing)
     rec.committed(7, 4, 2, True)  # 0.5
     assert rec.step_times(4) == {2: [1.0, 0.5, 0.5], 1: [1.0]}
-    assert summarize_steps(rec, 4) == ({1: 1.0, 2: 0.5}, {1: 1, 2: 3})
     assert rec.choose(4) == 2  # fixed K without the engine's policy
     # every step after the first, by kind: full 1.0 + 0.5 + 1.0 + 0.5 (and step 6's 2.25),
     # partial 0.25 (3 rows)
@@ -103,6 +101,27 @@ def test_paired_baseline_sets_the_speedup_and_t0() -> None:
     assert paired.predicted_speedup == pytest.approx(1.8 * 0.9 / 1.2)
     # no baseline runs and no no-speculation cell at its B: nothing to compare with
     assert cells[2].speedup is None and cells[2].predicted_speedup is None
+
+
+def test_repeated_rounds_each_over_the_baseline_runs_around_them() -> None:
+    """--repeats: the baseline's calls frame each of the cell's calls; a round's speedup is the
+    two framing calls' mean time over the cell's call, and the cell's is their median."""
+    from photon.bench.spec_report import Timed, cell_of, pair_cell
+
+    def timed(seconds: float, steps: list[float]) -> Timed:
+        return Timed(100, seconds, {0: steps}, {"full": seconds}, {"full": len(steps)})
+
+    runs = [timed(1.0, [0.1]), timed(2.0, [0.2]), timed(1.0, [0.3])]
+    base = [timed(2.0, [0.5]), timed(4.0, [0.6]), timed(2.0, [0.7]), timed(2.0, [0.8])]
+    cell = cell_of(SpecSetting(CONTROL), 4, runs)
+    pair_cell(cell, runs, base)
+    assert (cell.output_tokens, cell.elapsed_s) == (300, 4.0)
+    assert cell.step_time_s == {0: 0.2} and cell.step_kind_count == {"full": 3}
+    assert cell.speedup_rounds == pytest.approx([3.0, 1.5, 2.0])
+    assert cell.baseline_tokens_per_s == pytest.approx(400 / 10.0)
+    assert cell.baseline_step_time_s == pytest.approx(0.65)
+    fill_speedups([cell])
+    assert cell.speedup == pytest.approx(2.0)  # the median round, not 300 / 4 over 40
 
 
 def test_rows_without_drafts_lower_the_prediction() -> None:
@@ -251,16 +270,18 @@ def test_cli_control_is_a_paired_no_speculation_engine(capsys: pytest.CaptureFix
     code = main(["bench", "spec", "--model", PHOTON_TINY, "--device", "cpu", "--methods", "ngram",
                  "--batch-sizes", "2", "--num-speculative-tokens", "1",
                  "--adaptive-num-speculative-tokens", "--input-len", "8", "--output-len", "3",
-                 "--warmup-tokens", "0", "--control", "--output-json", str(out_json)])
+                 "--warmup-tokens", "0", "--control", "--repeats", "2",
+                 "--output-json", str(out_json)])
     assert code == 0, capsys.readouterr().err
     cells = json.loads(out_json.read_text())["cells"]
     assert [c["method"] for c in cells] == [NO_SPEC, CONTROL, "ngram"]
     none, control, ngram = cells
     assert none["baseline_tokens_per_s"] is None  # the baseline's own cells are not paired
-    for c in (control, ngram):  # paired (the default): over the runs framing the cell
+    assert none["output_tokens"] == 24 and none["speedup_rounds"] is None  # 4 x 2 x 3
+    for c in (control, ngram):  # paired (the default): over the runs framing each call
         assert c["baseline_tokens_per_s"] > 0 and c["baseline_step_time_s"] > 0
-        assert c["speedup"] == pytest.approx(c["output_tokens_per_s"]
-                                             / c["baseline_tokens_per_s"])
+        assert c["output_tokens"] == 48 and len(c["speedup_rounds"]) == 2
+        assert c["speedup"] == pytest.approx(sum(c["speedup_rounds"]) / 2)
     assert control["mean_acceptance_length"] is None and control["predicted_speedup"] is None
     assert ngram["mean_acceptance_length"] >= 1.0 and ngram["predicted_speedup"] > 0
 
@@ -271,6 +292,8 @@ def test_cli_refuses_a_speculative_config(capsys: pytest.CaptureFixture[str]) ->
     assert "--speculative-config is set by the benchmark" in capsys.readouterr().err
     assert main(["bench", "spec", "--device", "cpu", "--methods", "draft_model"]) != 0
     assert "--methods draft_model needs --draft" in capsys.readouterr().err
+    assert main(["bench", "spec", "--device", "cpu", "--repeats", "2", "--no-paired"]) != 0
+    assert "above 1 only with --paired" in capsys.readouterr().err
 
 
 def test_a_failing_setting_is_reported_and_the_others_run(capsys: pytest.CaptureFixture[str],

@@ -19,6 +19,11 @@
 #   BUDGET_SECONDS [530]                       the whole run; each stage gets what is left
 #   BENCH_PAIR [unset]                         a directory holding photon-bench and
 #                                              photon-bench-draft: skip the training
+#   MATRIX [full]                              adaptive: only the adaptive switch (K = 5) and
+#                                              the control on both pairs, B = 16 64 256 unless
+#                                              BATCH_SIZES says otherwise, each cell timed
+#                                              REPEATS [5] times (its speedup: the median round);
+#                                              spec_{bench,tiny}_pair_adaptive.json
 #
 # The matrix: the bench pair with K = 1..5 (adaptive switch off) for ngram and draft_model, and
 # K = 5 with the switch on (it picks K_eff <= 5 per step); the committed pair with K = 1, 3, 5 off
@@ -32,7 +37,7 @@
 # runs past the budget is stopped; the JSON of the finished stages stays (the bench pair first).
 set -uo pipefail
 
-[ $# -ge 1 ] || { sed -n '2,18p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,23p' "$0"; exit 2; }
 out="$1"
 data="${2:-$out/data}"
 mkdir -p "$out"
@@ -66,9 +71,20 @@ pair="${BENCH_PAIR:-$out/bench}"
 [ -n "${BENCH_PAIR:-}" ] || run python3 -m photon.train all --pair bench --data "$data" \
   --out "$pair" --target-seconds "${TARGET_SECONDS:-100}" --draft-seconds "${DRAFT_SECONDS:-40}" \
   --eval-interval "${EVAL_INTERVAL:-50}"
-spec bench_pair --model "$pair/photon-bench" --draft "$pair/photon-bench-draft" \
-  --num-speculative-tokens 1 2 3 4 5 --adaptive-num-speculative-tokens 5
-spec tiny_pair --model photon/assets/photon-tiny --draft photon/assets/photon-tiny-draft \
-  --num-speculative-tokens 1 3 5 --adaptive-num-speculative-tokens 5 --control
+if [ "${MATRIX:-full}" = adaptive ]; then
+  BATCH_SIZES="${BATCH_SIZES:-16 64 256}"
+  for name in bench_pair tiny_pair; do
+    if [ "$name" = bench_pair ]; then models=("$pair/photon-bench" "$pair/photon-bench-draft")
+    else models=(photon/assets/photon-tiny photon/assets/photon-tiny-draft); fi
+    spec "${name}_adaptive" --model "${models[0]}" --draft "${models[1]}" \
+      --num-speculative-tokens --adaptive-num-speculative-tokens 5 --control \
+      --repeats "${REPEATS:-5}"
+  done
+else
+  spec bench_pair --model "$pair/photon-bench" --draft "$pair/photon-bench-draft" \
+    --num-speculative-tokens 1 2 3 4 5 --adaptive-num-speculative-tokens 5
+  spec tiny_pair --model photon/assets/photon-tiny --draft photon/assets/photon-tiny-draft \
+    --num-speculative-tokens 1 3 5 --adaptive-num-speculative-tokens 5 --control
+fi
 echo "[$(date -u +%H:%M:%S)] done, exit status $status; results in $out" | tee -a "$log"
 exit "$status"

@@ -19,7 +19,10 @@ beside each speculative engine, and each speculative cell's timed call is framed
 of the same requests on it, right before and right after. The cell's speedup and T(B, 0) come
 from those two runs, so a machine whose speed drifts from one minute to the next (host clocks,
 other tenants) shifts both sides of the ratio alike; the no-speculation cells of the table are
-its own cells, measured first.
+its own cells, measured first. `--repeats N` times each paired cell N times, alternating with
+N + 1 baseline calls: each call's speedup is over the two around it, and the cell's is the
+median of those, for a comparison whose noise must be below a single pair's (the adaptive
+switch's 3%).
 
 Each cell reports output tokens/s (output tokens / wall time of the generate call, prefill
 included), the speculative counters of the timed call (mean acceptance length, per-position
@@ -34,7 +37,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -47,10 +49,12 @@ from photon.bench.spec_report import (
     Cell,
     SpecSetting,
     StepRecorder,
+    Timed,
+    cell_of,
     fill_speedups,
     output_lengths,
+    pair_cell,
     settings,
-    summarize_steps,
     table,
 )
 
@@ -107,6 +111,11 @@ def add_parser(bench_sub: Any) -> None:
                         "speculative cell (it stays alive beside the cell's engine) and take "
                         "the cell's speedup and T(B, 0) from those runs (default on; "
                         "--no-paired: from the no-speculation cells, measured first).")
+    g.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="Time each cell N times, alternating with the paired no-speculation "
+                        "runs (N + 1 of them, needs --paired): the cell's speedup is the median "
+                        "of the N ratios, each over the two runs around it (`speedup_rounds` in "
+                        "the JSON; default 1).")
     g.add_argument("--control", action="store_true",
                    help="Also run a second no-speculation engine as a setting (`control`), "
                         "paired like the speculative ones: its speedup is 1 but for the "
@@ -145,6 +154,9 @@ def _check_args(ns: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be at least 1, got {values}")
     if not ns.batch_sizes:
         raise ValueError("--batch-sizes needs at least one batch size")
+    if ns.repeats < 1 or (ns.repeats > 1 and not ns.paired):
+        raise ValueError(f"--repeats must be at least 1, and above 1 only with --paired, got "
+                         f"{ns.repeats}")
     if ns.requests_per_slot < 1:
         raise ValueError(f"--requests-per-slot must be at least 1, got {ns.requests_per_slot}")
     if max(ns.batch_sizes) > ns.max_num_seqs:
@@ -261,10 +273,9 @@ class _Engine:
     llm: Any
     recorder: StepRecorder
 
-    def timed(self, prompts: list[list[int]], lengths: list[int], b: int
-              ) -> tuple[int, float, list[float]]:
-        """One timed generate call at most `b` requests at a time: (output tokens, seconds, the
-        times of its decode steps of `b` rows). The commits recorded are the call's alone."""
+    def timed(self, prompts: list[list[int]], lengths: list[int], b: int) -> Timed:
+        """One timed generate call at most `b` requests at a time. The commits recorded are
+        the call's alone."""
         self.llm.engine.scheduler.max_running = b
         self.recorder.commits.clear()
         _sync(self.llm)
@@ -275,7 +286,8 @@ class _Engine:
         if got != sum(lengths):
             raise RuntimeError(f"generated {got} output tokens, the cell asked for "
                                f"{sum(lengths)}")
-        return got, elapsed, self.recorder.step_times(b).get(0, [])
+        return Timed(got, elapsed, self.recorder.step_times(b),
+                      *self.recorder.time_by_kind(b))
 
 
 def _build(args: Any, setting: SpecSetting, draft: str | None) -> _Engine:
@@ -349,24 +361,23 @@ def _warm_up(llm: Any, prompts: list[list[int]], b: int, tokens: int) -> None:
 
 def _run_cell(engine: _Engine, setting: SpecSetting, work: _Workload, b: int,
               baseline: _Engine | None) -> Cell:
-    """One cell: the warm-up, then the timed call (framed by the baseline's when paired)."""
+    """One cell: the warm-up, then its timed call (paired: `--repeats` of them, each framed by
+    the baseline's)."""
     llm, ns = engine.llm, work.ns
     prompts, lengths = work.at(b)
     if ns.warmup_tokens:
         llm.engine.scheduler.max_running = b
         _warm_up(llm, prompts, b, ns.warmup_tokens)
-    before_base = baseline.timed(prompts, lengths, b) if baseline is not None else None
+    base = [baseline.timed(prompts, lengths, b)] if baseline is not None else []
     before = llm.engine.spec_stats()
-    got, elapsed, _ = engine.timed(prompts, lengths, b)
-    step_time, steps = summarize_steps(engine.recorder, b)
-    cell = Cell(setting.method, setting.k, setting.adaptive, b, got, elapsed, got / elapsed,
-                step_time, steps)
-    cell.step_kind_s, cell.step_kind_count = engine.recorder.time_by_kind(b)
-    if before_base is not None:
-        after_base = baseline.timed(prompts, lengths, b)
-        tokens, seconds, times = (a + z for a, z in zip(before_base, after_base))
-        cell.baseline_tokens_per_s = tokens / seconds
-        cell.baseline_step_time_s = statistics.median(times) if times else None
+    runs = []
+    for _ in range(ns.repeats if baseline is not None else 1):
+        runs.append(engine.timed(prompts, lengths, b))
+        if baseline is not None:
+            base.append(baseline.timed(prompts, lengths, b))
+    cell = cell_of(setting, b, runs)
+    if base:
+        pair_cell(cell, runs, base)
     after = llm.engine.spec_stats()
     if after is not None:
         stats = after.since(before)
@@ -374,7 +385,7 @@ def _run_cell(engine: _Engine, setting: SpecSetting, work: _Workload, b: int,
         cell.acceptance_rate_per_pos = stats.acceptance_rate_per_pos
         cell.num_drafts, cell.num_draft_tokens = stats.num_drafts, stats.num_draft_tokens
         cell.num_accepted_tokens = stats.num_accepted_tokens
-    _log(f"{setting.label} B={b}: {got / elapsed:.1f} tok/s"
+    _log(f"{setting.label} B={b}: {cell.output_tokens_per_s:.1f} tok/s"
          + (f", mean acceptance length {cell.mean_acceptance_length:.3f}" if after else "")
          + (f", baseline {cell.baseline_tokens_per_s:.1f} tok/s"
             if cell.baseline_tokens_per_s else ""))

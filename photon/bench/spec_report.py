@@ -148,10 +148,59 @@ class Cell:
     # output tokens/s of the two runs together and their median decode step time at B rows.
     baseline_tokens_per_s: float | None = None
     baseline_step_time_s: float | None = None
+    # Paired: each timed call's speedup over the two baseline calls around it (--repeats of
+    # them); the cell's speedup is their median.
+    speedup_rounds: list[float] | None = None
 
     @property
     def setting(self) -> SpecSetting:
         return SpecSetting(self.method, self.k, self.adaptive)
+
+
+@dataclass
+class Timed:
+    """One timed generate call: its output tokens, seconds, the times of its decode steps of
+    B rows by K_eff, and its steps' seconds and counts by kind."""
+
+    tokens: int
+    seconds: float
+    step_times: dict[int, list[float]]
+    kind_s: dict[str, float]
+    kind_count: dict[str, int]
+
+
+def merged_step_times(runs: list[Timed]) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for run in runs:
+        for k, times in run.step_times.items():
+            out.setdefault(k, []).extend(times)
+    return out
+
+
+def cell_of(setting: SpecSetting, b: int, runs: list[Timed]) -> Cell:
+    """A cell from its timed calls: their tokens and seconds summed, the median decode step by
+    K_eff over all of them, their steps by kind summed."""
+    tokens, seconds = sum(r.tokens for r in runs), sum(r.seconds for r in runs)
+    times = merged_step_times(runs)
+    cell = Cell(setting.method, setting.k, setting.adaptive, b, tokens, seconds,
+                tokens / seconds, {k: statistics.median(v) for k, v in sorted(times.items())},
+                {k: len(v) for k, v in sorted(times.items())})
+    for run in runs:
+        for kind, sec in run.kind_s.items():
+            cell.step_kind_s[kind] = cell.step_kind_s.get(kind, 0.0) + sec
+            cell.step_kind_count[kind] = cell.step_kind_count.get(kind, 0) + run.kind_count[kind]
+    return cell
+
+
+def pair_cell(cell: Cell, runs: list[Timed], base: list[Timed]) -> None:
+    """The paired baseline of a cell: base[i] and base[i + 1] frame runs[i]. Each round's
+    speedup is the mean time of the two baseline calls over the cell's call (the same
+    requests, so the same tokens)."""
+    cell.baseline_tokens_per_s = sum(r.tokens for r in base) / sum(r.seconds for r in base)
+    times = merged_step_times(base).get(0, [])
+    cell.baseline_step_time_s = statistics.median(times) if times else None
+    cell.speedup_rounds = [(base[i].seconds + base[i + 1].seconds) / 2 / run.seconds
+                           for i, run in enumerate(runs)]
 
 
 def output_lengths(count: int, output_len: int, ratio: float, seed: int) -> list[int]:
@@ -163,13 +212,6 @@ def output_lengths(count: int, output_len: int, ratio: float, seed: int) -> list
     rng = random.Random(seed)
     low, high = length_bounds(output_len, ratio)
     return [rng.randint(low, high) for _ in range(count)]
-
-
-def summarize_steps(recorder: StepRecorder, batch_size: int) -> tuple[dict[int, float],
-                                                                      dict[int, int]]:
-    times = recorder.step_times(batch_size)
-    return ({k: statistics.median(v) for k, v in sorted(times.items())},
-            {k: len(v) for k, v in sorted(times.items())})
 
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:
@@ -221,7 +263,9 @@ def fill_speedups(cells: list[Cell]) -> None:
         base = by_key.get((SpecSetting(NO_SPEC), c.batch_size))
         base_rate = (c.baseline_tokens_per_s if c.baseline_tokens_per_s is not None
                      else base.output_tokens_per_s if base is not None else 0.0)
-        if base_rate > 0:
+        if c.speedup_rounds:
+            c.speedup = statistics.median(c.speedup_rounds)
+        elif base_rate > 0:
             c.speedup = c.output_tokens_per_s / base_rate
         if c.method not in (NO_SPEC, CONTROL):
             c.predicted_speedup = predicted_speedup(by_key, c)
