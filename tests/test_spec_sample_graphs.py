@@ -28,7 +28,7 @@ def _install_sample_graphs(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> SpecSam
     monkeypatch.setattr(spec_sample_graphs, "Captured", _EagerReplay)
     r = llm.engine.runner
     sample = SpecSampleGraphs(graphs.spec, r.model.compute_logits, r.spec, r.sampler,
-                              r.token_pool, r.spec.proposer.capturable)
+                              r.token_pool, r.spec.proposer.capturable, r.scratch_row)
     sample.capture()
     r.sampling.graphs = sample
     return sample
@@ -56,10 +56,9 @@ def test_greedy_steps_sample_through_the_graph_with_the_eager_results(
     assert _counters(llm) == _counters(eager) and _counters(llm)[1] > 0
 
 
-def test_sampled_rows_and_padded_batches_sample_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Seeded random rows never take the graph (its batch is greedy only), and a batch of 3
-    rows in a graph of 4 does not either; their tokens are those of the engine without the
-    sampling graphs."""
+def test_sampled_rows_sample_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded random rows never take the graph (its batch is greedy only); their tokens are
+    those of the engine without the sampling graphs."""
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=20, ignore_eos=True)
               for i in range(3)]
     specs = [Spec(p, sp) for p, sp in zip(_prompts(5)[:3], params)]
@@ -71,17 +70,34 @@ def test_sampled_rows_and_padded_batches_sample_eagerly(monkeypatch: pytest.Monk
     out, _ = run(llm, specs)
     assert out == out_e
     assert sample.replays == 0 and llm.engine.runner.graphs.spec_replays > 0
+
+
+def test_padded_batches_sample_in_the_graph_on_the_scratch_row(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """3 rows in the graph of 4, then 2 and 1 as requests finish: every speculative graph step
+    samples in its graph, the padding rows on the scratch row. Tokens, drafts and acceptances
+    are the eager sampling's, and no request's state is touched by the padding: the scratch
+    row is the only one past the scheduler's indices, and the padding wrote it."""
+    reqs = [Spec(p, GREEDY) for p in _prompts(5)[:3]]
+    eager = _llm(True, 3, dtype="float32", max_num_seqs=4)
+    _install_graphs(eager, monkeypatch)
+    out_e, audit_e = run(eager, reqs)
     llm = _llm(True, 3, dtype="float32", max_num_seqs=4)
     sample = _install_sample_graphs(llm, monkeypatch)
+    r = llm.engine.runner
+    assert r.scratch_row == r.token_pool.shape[0] - 1 == len(llm.engine.scheduler.by_index)
     choices = []  # (graph batch, rows) of every speculative graph's step
     key = sample.key
     sample.key = lambda g, host, n, *a: (choices.append((g.batch, n)), key(g, host, n, *a))[1]
-    reqs = [Spec(p, GREEDY) for p in _prompts(5)[:3]]
-    out, _ = run(llm, reqs)
-    assert out == run(_llm(False, dtype="float32"), reqs)[0]
-    # 3 rows in the graph of 4: eager; the rows left after some finished fill graphs of 2, 1
+    before = sample.replays
+    out, audit = run(llm, reqs)
+    assert out == out_e == run(_llm(False, dtype="float32"), reqs)[0]
+    assert audit.schedule == audit_e.schedule
+    assert _counters(llm) == _counters(eager) and _counters(llm)[1] > 0
     padded = sum(b != n for b, n in choices)
-    assert padded > 0 and sample.replays == len(choices) - padded > 0
+    assert padded > 0 and sample.replays - before == len(choices)
+    assert r.spec.dev_len[r.scratch_row] <= r.spec.k + 2
+    assert r.token_pool[r.scratch_row, 1:r.spec.k + 2].ne(0).any()  # the padding's tokens
 
 
 def test_a_draft_model_samples_in_the_graph_and_proposes_after_it(
@@ -138,7 +154,7 @@ def test_constant_inputs_live_as_long_as_their_graphs(monkeypatch: pytest.Monkey
     monkeypatch.setattr(SpecSampleGraphs, "_inputs", recorded)
     r = llm.engine.runner
     sample = SpecSampleGraphs(graphs.spec, r.model.compute_logits, r.spec, r.sampler,
-                              r.token_pool, r.spec.proposer.capturable)
+                              r.token_pool, r.spec.proposer.capturable, r.scratch_row)
     sample.capture()
     gc.collect()
     assert sample.graphs and made

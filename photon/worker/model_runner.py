@@ -118,7 +118,10 @@ class ModelRunner:
         max_seqs = config.scheduler.max_num_seqs
         num_rows = request_table_size(max_seqs)
         self.pool_width = mc.max_model_len + 1
-        self.token_pool = torch.zeros(num_rows, self.pool_width, dtype=torch.int32,
+        # One row past the request indices: the scratch row that the padding rows of sampling
+        # graphs write (photon.worker.spec_sample_graphs); no request ever holds it.
+        self.scratch_row = num_rows
+        self.token_pool = torch.zeros(num_rows + 1, self.pool_width, dtype=torch.int32,
                                       device=self.device)
         max_blocks = math.ceil(self.pool_width / self.block_size)
         self.table = RequestTable(num_rows, max_blocks)
@@ -131,7 +134,7 @@ class ModelRunner:
         # Backends cover at most the model's vocabulary: the widest masks a step can have.
         words = bitmask_width(mc.vocab_size)
         self.spec = None if spec is None else SpecDecoder(
-            spec, mc.max_model_len, num_rows, self.pool_width, self.block_size, self.device,
+            spec, mc.max_model_len, num_rows + 1, self.pool_width, self.block_size, self.device,
             fused=mc.use_triton)
         self.draft = None if self.draft_config is None else DraftRunner(
             self.draft_config, self.num_blocks, self.block_size, num_rows, mc.max_model_len,
@@ -183,7 +186,8 @@ class ModelRunner:
         if self.graphs is None or self.graphs.spec is None or self.spec is None:
             return None
         graphs = SpecSampleGraphs(self.graphs.spec, self.model.compute_logits, self.spec,
-                                  self.sampler, self.token_pool, self.spec.proposer.capturable)
+                                  self.sampler, self.token_pool, self.spec.proposer.capturable,
+                                  self.scratch_row)
         graphs.capture()
         return graphs
 

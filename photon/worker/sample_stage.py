@@ -101,7 +101,7 @@ class SampleStage:
         if key is None:
             return False
         rows = h.host.num_virtual
-        h.slot.output_views(rows, 0).tokens.copy_(self.graphs.run(key, h.dev))
+        h.slot.output_views(rows, 0).tokens.copy_(self.graphs.run(key, h.dev, len(h.rows)))
         if h.propose and not key.propose:  # a proposer with graphs of its own
             self._bind_draft(h)
             self.spec.propose(h.dev.propose_reqs, self.token_pool)

@@ -9,16 +9,18 @@ the step's request indices and its sampling rows' token-pool entries and lengths
 launch), copied into static buffers; it writes the tokens into a static output that the runner
 copies into the step's slot.
 
-A step samples through it when it replayed a speculative graph whose batch its rows fill (no
-padding row), every row is greedy with nothing else to apply (no top-k / top-p / min-p,
-penalties, logit bias, min-tokens bans, logprobs or grammar masks), and it proposes (if at all)
-with a proposer the graph can hold (`capturable`: ngram; draft_model's K steps are a graph of
-their own, run after this one). Any other step samples eagerly: the same ops on the same values,
-so the same tokens.
+A step samples through it when it replayed a speculative graph, every row is greedy with
+nothing else to apply (no top-k / top-p / min-p, penalties, logit bias, min-tokens bans,
+logprobs or grammar masks), and it proposes (if at all) for every row with a proposer the graph
+can hold (`capturable`: ngram; draft_model's K steps are a graph of their own, run after this
+one). Any other step samples eagerly: the same ops on the same values, so the same tokens.
 
-Capture runs the sampling once eagerly first (compilation) on request index 0's device length,
-draft count and pool row: harmless at start-up, before any request holds that index (each of
-them is set before it is read).
+The padding rows of a graph's batch (a step of 5 rows replays the graph of 8) sample too: they
+stand for the scratch row, a request index past the scheduler's (the runner's token pool and
+device lengths have one more row), whose pool entries and device length they read and write.
+Their inputs are constants: positions 0..K of the scratch row, so its device length stays at
+most K + 2 and its drafts in its pool row; their tokens are not copied out. Capture runs every
+row on the scratch row, so capturing touches no request's state.
 """
 
 from __future__ import annotations
@@ -56,34 +58,44 @@ def plain_greedy(flags: SamplingFlags, host: HostStep) -> bool:
 class SpecSampleGraphs:
     def __init__(self, forward: SpecGraphs, compute_logits: Callable[[Tensor], Tensor],
                  spec: SpecDecoder, sampler: Sampler, token_pool: Tensor,
-                 propose_in_graph: bool) -> None:
+                 propose_in_graph: bool, scratch_row: int) -> None:
         self.forward = forward
         self.compute_logits = compute_logits
         self.spec = spec
         self.sampler = sampler
         self.pool = token_pool
         self.propose_in_graph = propose_in_graph
+        self.scratch_row = scratch_row
         self.keys = [SampleKey(key, propose_in_graph) for key in forward.keys()
                      if key.batch <= MAX_ROWS]
         tokens = max((k.spec.num_tokens for k in self.keys), default=1)
         rows = max((k.spec.batch for k in self.keys), default=1)
         i64 = dict(dtype=torch.int64, device=token_pool.device)
-        self.reqs = torch.zeros(rows, **i64)
+        self.reqs = torch.full((rows,), scratch_row, **i64)
         self.sample_pool_idx = torch.zeros(tokens, **i64)
         self.sample_seq_lens = torch.ones(tokens, **i64)
         self.out = torch.zeros(tokens, **i64)
+        # The padding rows' constants by K_eff: (pool entries, sequence lengths) of every token
+        self.padding = {k: self._padding(k, tokens, token_pool.shape[1])
+                        for k in {key.spec.k for key in self.keys}}
         self.graphs: dict[SampleKey, Captured] = {}
         # Each graph's constant inputs, built outside its capture: the graph reads their
         # addresses at every replay, so they live as long as it does (photon.worker.cuda_graph).
         self.constants: dict[SampleKey, tuple[StepInputs[Tensor], SamplingBatch]] = {}
         self.replays = 0
 
+    def _padding(self, k: int, tokens: int, pool_width: int) -> tuple[Tensor, Tensor]:
+        """Every row at positions 0..k of the scratch row: the entries 1..k + 1 of its pool row
+        (where a row's sampled tokens go), lengths 1..k + 1."""
+        j = torch.arange(tokens, dtype=torch.int64, device=self.pool.device) % (k + 1)
+        return self.scratch_row * pool_width + 1 + j, 1 + j
+
     def key(self, graph_key: object, host: HostStep, num_rows: int, propose: bool,
             num_proposing: int) -> SampleKey | None:
         """The sampling graph of a step (None: it samples eagerly); the caller checked that it
         has no grammar mask."""
-        if not isinstance(graph_key, SpecKey) or graph_key.batch != num_rows \
-                or not host.only_spec or not plain_greedy(host.flags, host):
+        if not isinstance(graph_key, SpecKey) or not host.only_spec \
+                or not plain_greedy(host.flags, host):
             return None
         if propose and num_proposing != num_rows:
             return None
@@ -104,9 +116,13 @@ class SpecSampleGraphs:
         return self.out[:n]
 
     def _inputs(self, b: int, k: int) -> StepInputs[Tensor]:
-        """The step inputs the sampling reads: static buffers, the rest empty or constant
-        (`pool_rows` is derived from the request indices inside the graph)."""
+        """The step inputs the sampling reads: static buffers (at capture: every row the
+        scratch row's padding), the rest empty or constant (`pool_rows` is derived from the
+        request indices inside the graph)."""
         n, dev = b * (k + 1), self.pool.device
+        pool_idx, seq_lens = self.padding[k]
+        self.sample_pool_idx[:n].copy_(pool_idx[:n])
+        self.sample_seq_lens[:n].copy_(seq_lens[:n])
         reqs = self.reqs[:b]
         rows = torch.arange(b, dtype=torch.int64, device=dev)
         i64 = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -133,16 +149,22 @@ class SpecSampleGraphs:
             g = Captured(lambda key=key, c=consts, b=batch: self._sample(key, c, b), pool)
             pool = g.pool
             self.graphs[key] = g
-        self.sample_seq_lens.fill_(1)
         torch.cuda.synchronize()
         return pool
 
-    def run(self, key: SampleKey, dev: StepInputs[Tensor]) -> Tensor:
-        """The step's tokens (the eager sampling's) from its resolved inputs: copies, a replay."""
-        b, n = key.spec.batch, key.spec.num_tokens
-        self.reqs[:b].copy_(dev.spec_reqs)
-        self.sample_pool_idx[:n].copy_(dev.sample_pool_idx)
-        self.sample_seq_lens[:n].copy_(dev.sample_seq_lens)
+    def run(self, key: SampleKey, dev: StepInputs[Tensor], num_rows: int) -> Tensor:
+        """The tokens of the step's `num_rows` rows (the eager sampling's) from its resolved
+        inputs: copies (the padding rows' constants too, when the rows do not fill the batch),
+        a replay."""
+        b, n, m = key.spec.batch, key.spec.num_tokens, num_rows * (key.spec.k + 1)
+        self.reqs[:num_rows].copy_(dev.spec_reqs)
+        self.sample_pool_idx[:m].copy_(dev.sample_pool_idx)
+        self.sample_seq_lens[:m].copy_(dev.sample_seq_lens)
+        if num_rows < b:
+            pool_idx, seq_lens = self.padding[key.spec.k]
+            self.reqs[num_rows:b].fill_(self.scratch_row)
+            self.sample_pool_idx[m:n].copy_(pool_idx[m:n])
+            self.sample_seq_lens[m:n].copy_(seq_lens[m:n])
         out = self.graphs[key].replay()
         self.replays += 1
-        return out
+        return out[:m]

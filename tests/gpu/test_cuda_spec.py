@@ -85,17 +85,18 @@ def run_speculative_without_sync(core: EngineCore, prompts: list[str],
     core.assert_drained()
 
 
-@pytest.mark.parametrize("rows", [1, 4])
-def test_greedy_steps_sample_in_their_graph_cuda(rows: int) -> None:
-    """Greedy speculative steps whose rows fill their graph sample through the sampling graph
-    (photon.worker.spec_sample_graphs): the tokens, drafts and acceptances of the eager
-    sampling (the same engine with the sampling graphs removed)."""
-    specs = [Spec(p, GREEDY) for p in (_prompts(3) * 2)[:rows]]
+@pytest.mark.parametrize(("rows", "max_seqs"), [(1, 1), (4, 4), (3, 4), (5, 8)])
+def test_greedy_steps_sample_in_their_graph_cuda(rows: int, max_seqs: int) -> None:
+    """Greedy speculative steps sample through the sampling graph
+    (photon.worker.spec_sample_graphs), padding rows on the scratch row when the step's rows
+    do not fill the graph: the tokens, drafts and acceptances of the eager sampling (the same
+    engine with the sampling graphs removed)."""
+    specs = [Spec(p, GREEDY) for p in (_prompts(3) * 3)[:rows]]
     base, _ = run(LLM(pipelined=False, **KW), specs)
     spec = {**NGRAM, "num_speculative_tokens": 5}
-    graphed = LLM(pipelined=True, speculative_config=spec, max_num_seqs=rows, **KW)
+    graphed = LLM(pipelined=True, speculative_config=spec, max_num_seqs=max_seqs, **KW)
     out_g, _ = run(graphed, specs)
-    eager = LLM(pipelined=True, speculative_config=spec, max_num_seqs=rows, **KW)
+    eager = LLM(pipelined=True, speculative_config=spec, max_num_seqs=max_seqs, **KW)
     eager.engine.runner.sampling.graphs = None
     out_e, _ = run(eager, specs)
     assert out_g == out_e == base
