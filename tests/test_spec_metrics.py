@@ -8,6 +8,7 @@ import json
 import random
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import torch
@@ -29,9 +30,21 @@ def test_commit_counts_drafts_from_the_downloaded_tokens() -> None:
               11, -1, NO_DRAFT, NO_DRAFT,  # 1 draft, rejected
               12, NO_DRAFT, NO_DRAFT, NO_DRAFT,  # no draft: not counted
               13]  # a plain row
-    spec.count(tokens, [4, 4, 4, 4, 1])
+    spec.count(np.array(tokens), [4, 4, 4, 4, 1])
     assert spec.counters == SpecDecodingStats(3, 7, 4, [2, 1, 1])
     assert spec.counters.mean_acceptance_length == 1 + 4 / 3
+
+
+def test_a_steps_rows_count_as_each_row_alone() -> None:
+    """observe_rows (a step's rows at once) equals observe row by row."""
+    rng = random.Random(0)
+    drafts = np.array([rng.randint(0, 5) for _ in range(300)])
+    accepted = np.array([rng.randint(0, n) for n in drafts])
+    one, rows = SpecDecodingStats.empty(5), SpecDecodingStats.empty(5)
+    for n, a in zip(drafts.tolist(), accepted.tolist()):
+        one.observe(n, a)
+    rows.observe_rows(drafts, accepted)
+    assert rows == one and one.num_drafts < 300
 
 
 def _spec_stats(llm: object) -> SpecDecodingStats:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class SpecDecodingStats:
@@ -28,6 +30,19 @@ class SpecDecodingStats:
         per_pos = self.num_accepted_tokens_per_pos
         for j in range(num_accepted):
             per_pos[j] += 1
+
+    def observe_rows(self, num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
+        """`observe` for every row of a step at once (int arrays, one entry per row)."""
+        live = num_draft > 0
+        accepted = num_accepted[live]
+        self.num_drafts += int(live.sum())
+        self.num_draft_tokens += int(num_draft[live].sum())
+        self.num_accepted_tokens += int(accepted.sum())
+        per_pos = self.num_accepted_tokens_per_pos
+        # rows accepting more than j drafts count at position j
+        at_least = np.bincount(accepted, minlength=len(per_pos) + 1)[::-1].cumsum()[::-1]
+        for j in range(len(per_pos)):
+            per_pos[j] += int(at_least[j + 1])
 
     def copy(self) -> SpecDecodingStats:
         return SpecDecodingStats(self.num_drafts, self.num_draft_tokens,

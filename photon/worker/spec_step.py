@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -202,17 +203,17 @@ class SpecDecoder:
             torch.int32)
         self.num_draft[req] = num
 
-    def count(self, tokens: list[int], widths: list[int]) -> None:
+    def count(self, tokens: np.ndarray, widths: list[int]) -> None:
         """Host counters of a committed step (its downloaded tokens, sampling-row widths): a
         speculative row of K_eff + 1 emitted `n >= 1` tokens (n - 1 accepted drafts) and has a
-        NO_DRAFT entry per draft position it did not propose."""
-        at = 0
-        for w in widths:
-            if w > 1:
-                row = tokens[at:at + w]
-                self.counters.observe(w - 1 - row.count(NO_DRAFT),
-                                      sum(t >= 0 for t in row) - 1)
-            at += w
+        NO_DRAFT entry per draft position it did not propose. Vectorized: it runs for every
+        row of every speculative step."""
+        w = np.asarray(widths)
+        starts = np.concatenate(([0], np.cumsum(w)[:-1]))
+        no_draft = np.add.reduceat(tokens == NO_DRAFT, starts)
+        emitted = np.add.reduceat(tokens >= 0, starts)
+        spec = w > 1
+        self.counters.observe_rows((w - 1 - no_draft)[spec], (emitted - 1)[spec])
 
 
 def _first_rows(batch: SamplingBatch, v0: Tensor) -> SamplingBatch:

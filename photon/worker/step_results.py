@@ -67,10 +67,10 @@ def committed_tokens(h: StepHandle, spec: SpecDecoder | None) -> list[list[Commi
     if n == 0:
         return result
     host = h.slot.output_views(n, max(k, 0), host=True)
-    tokens = host.tokens.tolist()
     widths = h.host.widths
     if widths is not None:
-        spec.count(tokens, widths)
+        spec.count(host.tokens.numpy(), widths)
+    tokens = host.tokens.tolist()
     if k >= 0:
         lps, ranks = host.logprob.tolist(), host.ranks.tolist()
         top_ids, top_lps = host.topk_ids.tolist(), host.topk_lp.tolist()
