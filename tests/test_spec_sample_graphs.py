@@ -28,7 +28,7 @@ def _install_sample_graphs(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> SpecSam
     monkeypatch.setattr(spec_sample_graphs, "Captured", _EagerReplay)
     r = llm.engine.runner
     sample = SpecSampleGraphs(graphs.spec, r.model.compute_logits, r.spec, r.sampler,
-                              r.token_pool, r.spec.proposer.capturable, r.scratch_row)
+                              r.token_pool, r.scratch_row, r.draft)
     sample.capture()
     r.sampling.graphs = sample
     return sample
@@ -100,22 +100,34 @@ def test_padded_batches_sample_in_the_graph_on_the_scratch_row(
     assert r.token_pool[r.scratch_row, 1:r.spec.k + 2].ne(0).any()  # the padding's tokens
 
 
-def test_a_draft_model_samples_in_the_graph_and_proposes_after_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("num_prompts", [2, 3], ids=["full", "padded"])
+def test_a_draft_model_proposes_inside_the_sampling_graph(
+        num_prompts: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a draft model the sampling graph runs the draft's K steps too (over the forward
+    graph's block tables; a padding row's are the null block's): the tokens, drafts and
+    acceptances of the eager sampling, which proposes with the draft graphs' step."""
     from tests.test_spec_draft_engine import CODE, DRAFT, TARGET
     from tests.test_spec_draft_engine import _llm as _draft_llm
 
-    prompts = CODE[:2]
-    eager = _draft_llm(TARGET, DRAFT, 3, max_num_seqs=2)
+    prompts = CODE[:num_prompts]
+    eager = _draft_llm(TARGET, DRAFT, 3, max_num_seqs=4)
     _install_graphs(eager, monkeypatch)
     out_e = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
-    llm = _draft_llm(TARGET, DRAFT, 3, max_num_seqs=2)
+    llm = _draft_llm(TARGET, DRAFT, 3, max_num_seqs=4)
     sample = _install_sample_graphs(llm, monkeypatch)
-    assert not sample.propose_in_graph
+    assert sample.propose_in_graph
+    r, calls = llm.engine.runner, {"propose": 0, "decode": 0}
+    for owner, name in ((r.spec, "propose"), (r.draft, "decode")):
+        def counted(*a, _f=getattr(owner, name), _n=name):  # noqa: ANN002, ANN202
+            calls[_n] += 1
+            return _f(*a)
+        setattr(owner, name, counted)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     llm.engine.assert_drained()
     assert out == out_e
-    assert sample.replays > 0
+    # every proposal either binds the draft's step eagerly (decode) or runs inside a replay
+    in_graph = calls["propose"] - calls["decode"]
+    assert 0 < in_graph <= sample.replays
     assert _counters(llm) == _counters(eager) and _counters(llm)[1] > 0
 
 
@@ -154,7 +166,7 @@ def test_constant_inputs_live_as_long_as_their_graphs(monkeypatch: pytest.Monkey
     monkeypatch.setattr(SpecSampleGraphs, "_inputs", recorded)
     r = llm.engine.runner
     sample = SpecSampleGraphs(graphs.spec, r.model.compute_logits, r.spec, r.sampler,
-                              r.token_pool, r.spec.proposer.capturable, r.scratch_row)
+                              r.token_pool, r.scratch_row, r.draft)
     sample.capture()
     gc.collect()
     assert sample.graphs and made

@@ -45,7 +45,9 @@ class DraftModelProposer:
     the first `propose`."""
 
     name: str
-    capturable = False  # its K draft steps replay a graph of their own
+    # Not on its own: its K steps need the runner's draft model, which the runner's sampling
+    # graphs bind (photon.worker.spec_sample_graphs); eager sampling binds the draft graphs'.
+    capturable = False
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.model = config.model

@@ -186,8 +186,7 @@ class ModelRunner:
         if self.graphs is None or self.graphs.spec is None or self.spec is None:
             return None
         graphs = SpecSampleGraphs(self.graphs.spec, self.model.compute_logits, self.spec,
-                                  self.sampler, self.token_pool, self.spec.proposer.capturable,
-                                  self.scratch_row)
+                                  self.sampler, self.token_pool, self.scratch_row, self.draft)
         graphs.capture()
         return graphs
 

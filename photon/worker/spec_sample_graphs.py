@@ -11,9 +11,10 @@ copies into the step's slot.
 
 A step samples through it when it replayed a speculative graph, every row is greedy with
 nothing else to apply (no top-k / top-p / min-p, penalties, logit bias, min-tokens bans,
-logprobs or grammar masks), and it proposes (if at all) for every row with a proposer the graph
-can hold (`capturable`: ngram; draft_model's K steps are a graph of their own, run after this
-one). Any other step samples eagerly: the same ops on the same values, so the same tokens.
+logprobs or grammar masks), and it proposes (if at all) for every row: ngram's proposal, or
+the draft model's K decode steps (over the forward graph's block tables, the steps the draft
+graphs capture for eager sampling), are part of the graph. Any other step samples eagerly: the
+same ops on the same values, so the same tokens.
 
 The padding rows of a graph's batch (a step of 5 rows replays the graph of 8) sample too: they
 stand for the scratch row, a request index past the scheduler's (the runner's token pool and
@@ -33,6 +34,7 @@ from torch import Tensor
 
 from photon.core.inputs import SamplingFlags, StepInputs
 from photon.worker.cuda_graph import Captured
+from photon.worker.draft_runner import DraftDecode, DraftRunner
 from photon.worker.inputs import HostStep
 from photon.worker.sampler import Sampler, SamplingBatch, step_batch
 from photon.worker.spec_graphs import SpecGraphs, SpecKey
@@ -57,15 +59,19 @@ def plain_greedy(flags: SamplingFlags, host: HostStep) -> bool:
 
 class SpecSampleGraphs:
     def __init__(self, forward: SpecGraphs, compute_logits: Callable[[Tensor], Tensor],
-                 spec: SpecDecoder, sampler: Sampler, token_pool: Tensor,
-                 propose_in_graph: bool, scratch_row: int) -> None:
+                 spec: SpecDecoder, sampler: Sampler, token_pool: Tensor, scratch_row: int,
+                 draft: DraftRunner | None = None) -> None:
         self.forward = forward
         self.compute_logits = compute_logits
         self.spec = spec
         self.sampler = sampler
         self.pool = token_pool
-        self.propose_in_graph = propose_in_graph
         self.scratch_row = scratch_row
+        self.draft = draft
+        # ngram proposes inside the graph; draft_model too, its K steps over the forward
+        # graph's block tables (each row's request's, padding rows' the null block's)
+        propose_in_graph = spec.proposer.capturable or draft is not None
+        self.propose_in_graph = propose_in_graph
         self.keys = [SampleKey(key, propose_in_graph) for key in forward.keys()
                      if key.batch <= MAX_ROWS]
         tokens = max((k.spec.num_tokens for k in self.keys), default=1)
@@ -111,6 +117,9 @@ class SpecSampleGraphs:
         tokens, _ = spec.sample(self.sampler, logits, batch, dev, self.pool, k, only_spec=True)
         spec.advance(tokens, dev, self.pool, k, only_spec=True)
         if key.propose:
+            if self.draft is not None:
+                tables = self.forward.static.block_tables[key.spec.width][:key.spec.batch]
+                spec.proposer.bind(DraftDecode(self.draft, tables, key.spec.batch))
             spec.propose(dev.propose_reqs, self.pool)
         self.out[:n].copy_(tokens)
         return self.out[:n]
