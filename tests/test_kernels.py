@@ -145,7 +145,7 @@ def test_thresholds_keep_exactly_the_torch_sets_with_ties():
 
 
 def test_thresholds_match_on_random_rows():
-    rows, vocab = 32, 1000
+    rows, vocab = 16, 1000  # the interpreter's cost grows with the rows
     logits = randn(rows, vocab, seed=2) * 4
     g = torch.Generator().manual_seed(6)
     temp = (torch.rand(rows, generator=g) * 1.5 + 0.1).to(DEVICE)
