@@ -170,6 +170,7 @@ class Timed:
 
 
 def merged_step_times(runs: list[Timed]) -> dict[int, list[float]]:
+    """The decode step times of several timed calls together, by K_eff."""
     out: dict[int, list[float]] = {}
     for run in runs:
         for k, times in run.step_times.items():

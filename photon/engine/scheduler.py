@@ -197,8 +197,9 @@ class Scheduler(SchedulerCommit):
             # running request every step.
             n_out = len(req.output_token_ids) + req.num_pending
             if req.status is not running or n_out >= req.max_tokens:
-                finishing += n_out >= req.max_tokens and req.status is running
-                continue  # preempted this step, or every output already sampled
+                if req.status is running:
+                    finishing += 1  # every output already sampled: it plans no more rows
+                continue  # preempted this step, or finishing
             known = len(req.prompt_token_ids) + n_out
             # A live speculative request runs a plain row (positions from the host, the plain
             # decode path) when its length is known on the host (no row in flight verifies

@@ -102,7 +102,7 @@ class SampleStage:
             return False
         rows = h.host.num_virtual
         h.slot.output_views(rows, 0).tokens.copy_(self.graphs.run(key, h.dev, len(h.rows)))
-        if h.propose and not key.propose:  # a proposer with graphs of its own
+        if h.propose and not key.propose:  # a proposer the graph does not hold
             self._bind_draft(h)
             self.spec.propose(h.dev.propose_reqs, self.token_pool)
         if h.marks is not None:

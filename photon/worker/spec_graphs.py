@@ -108,11 +108,16 @@ class SpecGraphs:
         return SpecKey(batches[bisect.bisect_left(batches, num_rows)],
                        self.widths[bisect.bisect_left(self.widths, width)], k)
 
+    def block_tables(self, key: SpecKey) -> torch.Tensor:
+        """The static block tables [batch, width] of `key`'s graph (the replayed step's rows',
+        zeros for its padding rows)."""
+        return self.static.block_tables[key.width][:key.batch]
+
     def metadata(self, key: SpecKey) -> AttentionMetadata:
         """The captured attention metadata: device tensors and static host bounds only."""
         s, n = self.static, key.num_tokens
         return AttentionMetadata(
-            slot_mapping=s.slot_mapping[:n], block_tables=s.block_tables[key.width][:key.batch],
+            slot_mapping=s.slot_mapping[:n], block_tables=self.block_tables(key),
             seq_lens=s.seq_lens[:key.batch],
             query_start_loc=self.query_start_loc[key.k][:key.batch + 1],
             seq_lens_host=[self.max_model_len] * key.batch,

@@ -70,9 +70,8 @@ class SpecSampleGraphs:
         self.draft = draft
         # ngram proposes inside the graph; draft_model too, its K steps over the forward
         # graph's block tables (each row's request's, padding rows' the null block's)
-        propose_in_graph = spec.proposer.capturable or draft is not None
-        self.propose_in_graph = propose_in_graph
-        self.keys = [SampleKey(key, propose_in_graph) for key in forward.keys()
+        self.propose_in_graph = spec.proposer.capturable or draft is not None
+        self.keys = [SampleKey(key, self.propose_in_graph) for key in forward.keys()
                      if key.batch <= MAX_ROWS]
         tokens = max((k.spec.num_tokens for k in self.keys), default=1)
         rows = max((k.spec.batch for k in self.keys), default=1)
@@ -118,7 +117,7 @@ class SpecSampleGraphs:
         spec.advance(tokens, dev, self.pool, k, only_spec=True)
         if key.propose:
             if self.draft is not None:
-                tables = self.forward.static.block_tables[key.spec.width][:key.spec.batch]
+                tables = self.forward.block_tables(key.spec)
                 spec.proposer.bind(DraftDecode(self.draft, tables, key.spec.batch))
             spec.propose(dev.propose_reqs, self.pool)
         self.out[:n].copy_(tokens)
