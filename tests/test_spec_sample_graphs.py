@@ -174,3 +174,33 @@ def test_constant_inputs_live_as_long_as_their_graphs(monkeypatch: pytest.Monkey
     del sample
     gc.collect()
     assert any(ref() is None for ref in made)
+
+
+def test_a_cycling_switch_with_a_draft_model_and_padding_equals_greedy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Everything at once: a draft model, the switch verifying 0, 0, 3, 1, 0, 2, 3, ... drafts
+    in turn (the second of two K_eff = 0 steps has plain rows and skips the draft, the next
+    proposing step fills it), three requests in graphs of four, then fewer as they finish
+    (padding rows on the scratch row), proposals inside the sampling graphs: greedy tokens
+    equal those without speculation; drained."""
+    from tests.test_spec_draft_engine import CODE, DRAFT, TARGET
+    from tests.test_spec_graphs import _Cycle
+
+    class _Flapping(_Cycle):
+        CYCLE = (0, 0, 3, 1, 0, 2, 3)
+
+    kw = dict(model=TARGET, dtype="float32", max_model_len=128, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    base = [o.outputs[0].token_ids for o in LLM(**kw).generate(CODE, params, use_tqdm=False)]
+    spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 3,
+            "adaptive": True}
+    llm = LLM(speculative_config=spec, **kw)
+    policy = _Flapping()
+    llm.engine.scheduler.spec_policy = policy
+    sample = _install_sample_graphs(llm, monkeypatch)
+    got = [o.outputs[0].token_ids for o in llm.generate(CODE, params, use_tqdm=False)]
+    assert got == base
+    llm.engine.assert_drained()
+    assert sample.replays > 0 and len(policy.seen) == len(_Flapping.CYCLE)
+    assert llm.engine.runner.graphs.lean_replays > 0  # K_eff = 0 steps skipped the draft
+    assert _counters(llm)[1] > 0
