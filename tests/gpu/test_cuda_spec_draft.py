@@ -1,7 +1,7 @@
 """GPU checks of speculative decoding with a draft model: on CUDA, greedy with the committed
 trained pair gives exactly the tokens of greedy without speculation (float32), with CUDA graphs
 (the draft's catch-up captured with the target's forward, its decode steps in graphs of their
-own) and eagerly alike, pipelined equals
+own or inside the sampling graphs) and eagerly alike, pipelined equals
 blocking, the draft is accepted, and the loop makes no host sync but the commit's wait."""
 
 from __future__ import annotations
@@ -46,7 +46,10 @@ def test_draft_model_greedy_equals_greedy_cuda(k: int) -> None:
     assert pipelined.engine.runner.spec.counters.num_accepted_tokens > 0
     for llm in (pipelined, blocking):  # the speculative and the draft steps replayed graphs
         assert llm.engine.runner.graphs.spec_replays > 0
+        # prompt steps propose with the draft graphs; the speculative steps' 3 rows (in the
+        # graphs of 4: one padding row) inside their sampling graphs
         assert llm.engine.runner.draft.graphs.replays > 0
+        assert llm.engine.runner.sampling.graphs.replays > 0
     assert eager.engine.runner.draft.graphs is None
 
 
