@@ -282,6 +282,8 @@ def test_cli_control_is_a_paired_no_speculation_engine(capsys: pytest.CaptureFix
         assert c["baseline_tokens_per_s"] > 0 and c["baseline_step_time_s"] > 0
         assert c["output_tokens"] == 48 and len(c["speedup_rounds"]) == 2
         assert c["speedup"] == pytest.approx(sum(c["speedup_rounds"]) / 2)
+    lo, hi = sorted(control["speedup_rounds"])
+    assert f"{lo:.2f}-{hi:.2f}" in capsys.readouterr().out  # the table's rounds column
     assert control["mean_acceptance_length"] is None and control["predicted_speedup"] is None
     assert ngram["mean_acceptance_length"] >= 1.0 and ngram["predicted_speedup"] > 0
 

@@ -286,10 +286,15 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _spread(rounds: list[float] | None) -> str:
+    """The lowest and highest round's speedup of a repeated cell (`--repeats`)."""
+    return "-" if not rounds or len(rounds) < 2 else f"{min(rounds):.2f}-{max(rounds):.2f}"
+
+
 def table(cells: Sequence[Cell]) -> str:
     """The human-readable table (one line per cell)."""
     head = (f"{'method':<12}{'K':>3} {'adaptive':<9}{'B':>5}{'tok/s':>11}{'base tok/s':>11}"
-            f"{'speedup':>9}"
+            f"{'speedup':>9}{'rounds':>13}"
             f"{'predicted':>10}{'accept len':>11}{'full steps':>11}  per-position acceptance")
     lines = [head, "-" * len(head)]
     for c in cells:
@@ -298,7 +303,8 @@ def table(cells: Sequence[Cell]) -> str:
         lines.append(f"{c.method:<12}{c.k:>3} {('on' if c.adaptive else 'off'):<9}"
                      f"{c.batch_size:>5}{c.output_tokens_per_s:>11.1f}"
                      f"{_fmt(c.baseline_tokens_per_s, '.1f'):>11}"
-                     f"{_fmt(c.speedup, '.3f'):>9}{_fmt(c.predicted_speedup, '.3f'):>10}"
+                     f"{_fmt(c.speedup, '.3f'):>9}{_spread(c.speedup_rounds):>13}"
+                     f"{_fmt(c.predicted_speedup, '.3f'):>10}"
                      f"{_fmt(c.mean_acceptance_length, '.3f'):>11}"
                      f"{_fmt(full_step_share(c), '.0%'):>11}  {rates}")
     return "\n".join(lines)
