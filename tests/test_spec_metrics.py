@@ -36,15 +36,21 @@ def test_commit_counts_drafts_from_the_downloaded_tokens() -> None:
 
 
 def test_a_steps_rows_count_as_each_row_alone() -> None:
-    """observe_rows (a step's rows at once) equals observe row by row."""
+    """observe (a step's rows at once) counts what a loop over the rows counts: rows with
+    drafts, drafts, accepted drafts, and per position the rows that accepted past it."""
     rng = random.Random(0)
-    drafts = np.array([rng.randint(0, 5) for _ in range(300)])
-    accepted = np.array([rng.randint(0, n) for n in drafts])
-    one, rows = SpecDecodingStats.empty(5), SpecDecodingStats.empty(5)
-    for n, a in zip(drafts.tolist(), accepted.tolist()):
-        one.observe(n, a)
-    rows.observe_rows(drafts, accepted)
-    assert rows == one and one.num_drafts < 300
+    drafts = [rng.randint(0, 5) for _ in range(300)]
+    accepted = [rng.randint(0, n) for n in drafts]
+    live = [(n, a) for n, a in zip(drafts, accepted) if n > 0]
+    want = SpecDecodingStats(len(live), sum(n for n, _ in live), sum(a for _, a in live),
+                             [sum(a > j for _, a in live) for j in range(5)])
+    got = SpecDecodingStats.empty(5)
+    got.observe(np.array(drafts), np.array(accepted))
+    assert got == want and 0 < got.num_drafts < 300
+    got.observe(np.array([3, 0]), np.array([2, 0]))  # one more row with drafts; one without
+    assert (got.num_drafts, got.num_accepted_tokens_per_pos[:3]) == (
+        want.num_drafts + 1, [want.num_accepted_tokens_per_pos[j] + 1 for j in range(2)]
+        + [want.num_accepted_tokens_per_pos[2]])
 
 
 def _spec_stats(llm: object) -> SpecDecodingStats:

@@ -20,19 +20,10 @@ class SpecDecodingStats:
     def empty(cls, k: int) -> SpecDecodingStats:
         return cls(num_accepted_tokens_per_pos=[0] * k)
 
-    def observe(self, num_draft: int, num_accepted: int) -> None:
-        """One speculative row: `num_draft` drafts verified, the first `num_accepted` kept."""
-        if num_draft == 0:
-            return  # nothing was verified (vLLM counts only rows with drafts)
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft
-        self.num_accepted_tokens += num_accepted
-        per_pos = self.num_accepted_tokens_per_pos
-        for j in range(num_accepted):
-            per_pos[j] += 1
-
-    def observe_rows(self, num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
-        """`observe` for every row of a step at once (int arrays, one entry per row)."""
+    def observe(self, num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
+        """A step's speculative rows (int arrays, one entry per row): row i verified
+        `num_draft[i]` drafts and kept the first `num_accepted[i]`. Rows that verified none are
+        not counted (vLLM counts only rows with drafts)."""
         live = num_draft > 0
         accepted = num_accepted[live]
         self.num_drafts += int(live.sum())

@@ -213,7 +213,7 @@ class SpecDecoder:
         no_draft = np.add.reduceat(tokens == NO_DRAFT, starts)
         emitted = np.add.reduceat(tokens >= 0, starts)
         spec = w > 1
-        self.counters.observe_rows((w - 1 - no_draft)[spec], (emitted - 1)[spec])
+        self.counters.observe((w - 1 - no_draft)[spec], (emitted - 1)[spec])
 
 
 def _first_rows(batch: SamplingBatch, v0: Tensor) -> SamplingBatch:
