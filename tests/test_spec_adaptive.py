@@ -25,6 +25,9 @@ class ExpensiveFrom:
     def step_time(self, batch_size: int, k: int) -> float:
         return 1.0 if k == 0 else (10.0 if batch_size >= self.n else 0.5)
 
+    def measured(self, batch_size: int, k: int) -> bool:
+        return True
+
     def observe(self, batch_size: int, k: int, seconds: float) -> None:
         pass
 
@@ -101,14 +104,21 @@ def test_an_expensive_cost_everywhere_keeps_speculation_off() -> None:
 
 
 def test_measured_cost_model_predicts_from_its_prior_then_measurements() -> None:
-    model = MeasuredCostModel(saturation_tokens=64)
+    model = MeasuredCostModel(saturation_tokens=64, window=3)
     assert model.step_time(8, 3) == 1.0 and model.step_time(64, 3) == 4.0  # the roofline prior
+    assert not model.measured(8, 0)
     model.observe(8, 3, 0.02)
-    assert model.step_time(8, 3) == 0.02
+    assert model.step_time(8, 3) == 0.02 and model.measured(7, 3)
     assert model.step_time(7, 0) == pytest.approx(0.02)  # same bucket, memory-bound prior
     assert model.step_time(64, 3) == pytest.approx(0.02 * 4)  # another bucket: the prior's ratio
-    model.observe(8, 3, 0.04)
-    assert model.step_time(8, 3) == pytest.approx(0.02 + 0.25 * 0.02)
+    model.observe(8, 0, 0.01)  # the bucket's plain step: the reference of its other k
+    assert model.step_time(8, 7) == pytest.approx(0.01)
+    for t in (0.04, 0.5):  # the median of the last `window`: one long step does not move it
+        model.observe(8, 3, t)
+    assert model.step_time(8, 3) == 0.04
+    for t in (0.5, 0.5):
+        model.observe(8, 3, t)
+    assert model.step_time(8, 3) == 0.5  # 0.02 and 0.04 left the window
     assert bucket(1) == 1 and bucket(5) == 8 and bucket(8) == 8
 
 
@@ -122,6 +132,9 @@ def test_the_policy_weighs_acceptance_against_step_time() -> None:
         1 + sum((a + 8 * 0.6 ** (j + 1)) / 108 for j, a in enumerate([80, 50, 20])))
     assert policy.choose(4) == 3  # at half a plain step's cost any drafts pay
     policy.cost = MeasuredCostModel(saturation_tokens=4)  # the roofline prior: saturated
+    assert policy.choose(1) == 0  # the plain step not yet measured
+    policy.cost.observe(1, 0, 1.0)
+    policy.cost.observe(64, 0, 1.0)
     assert policy.choose(1) == 3 and policy.choose(64) == 0
 
 
@@ -157,6 +170,9 @@ class _Times:
     def step_time(self, batch_size: int, k: int) -> float:
         return self.times[k]
 
+    def measured(self, batch_size: int, k: int) -> bool:
+        return True
+
     def observe(self, batch_size: int, k: int, seconds: float) -> None:
         pass
 
@@ -173,3 +189,48 @@ def test_speculation_needs_a_margin_over_the_plain_step() -> None:
     assert AdaptiveSpec(1, stats, even, margin=0.0).choose(64) == 1
     clear = _Times({0: 1.0, 1: 1.5})  # 1.27x
     assert AdaptiveSpec(1, stats, clear).choose(64) == 1
+
+
+def _drive(policy: AdaptiveSpec, cost: dict[int, float], steps: int,
+           slow: frozenset[int] = frozenset()) -> list[int]:
+    """Run `policy` over `steps` decode steps of 64 rows on a simulated clock, step i taking
+    `cost[K_eff]` seconds (10 s for the steps in `slow`: a pause of the host); the K_eff of
+    each step."""
+    now = [0.0]
+    policy.clock = lambda: now[0]
+    chosen = []
+    for i in range(steps):
+        k = policy.choose(64)
+        now[0] += 10.0 if i in slow else cost[k]
+        policy.committed(i, 64, k, True)
+        chosen.append(k)
+    return chosen
+
+
+def test_the_switch_measures_the_plain_step_first_and_a_pause_does_not_flip_it() -> None:
+    """A host-bound engine: every speculative step costs 1.7-2.6x a plain one, more than its
+    acceptance pays for. The switch measures the plain step, tries each K_eff once (the prior
+    prices them near a plain step), then stays at 0; a single 10 s step (a garbage collection)
+    among the plain ones does not make it speculate again."""
+    from photon.spec.stats import SpecDecodingStats
+
+    stats = SpecDecodingStats(1000, 3000, 1300, [650, 400, 250])  # E(1..3) = 1.65, 2.05, 2.3
+    cost = {0: 1.0, 1: 1.7, 2: 2.2, 3: 2.6}
+    chosen = _drive(AdaptiveSpec(3, stats), cost, 60, slow=frozenset({40}))
+    assert chosen[:2] == [0, 0]  # the plain step measured first (the first is not timed)
+    explored = [i for i, k in enumerate(chosen) if k]
+    assert explored and max(explored) < 30  # each K_eff tried (its steps timed), then 0
+    assert set(chosen[30:]) == {0}
+
+
+def test_rows_without_drafts_count_in_the_expected_tokens() -> None:
+    """An ngram row without a match verifies nothing and emits one token: with half the
+    speculative rows of the committed steps having drafts, E'(k) - 1 is half of E(k) - 1."""
+    from photon.spec.stats import SpecDecodingStats
+
+    stats = SpecDecodingStats(0, 0, 0, [0])
+    policy = AdaptiveSpec(1, stats, _Times({0: 1.0, 1: 1.0}))
+    full = policy.expected_tokens(1) - 1  # the prior only: 0.6
+    policy.committed(0, 992, 1, True)  # 992 speculative rows, 496 of them with a draft
+    stats.num_drafts, stats.num_accepted_tokens_per_pos = 496, [int(496 * 0.6)]
+    assert policy.expected_tokens(1) - 1 == pytest.approx(full / 2, rel=0.01)

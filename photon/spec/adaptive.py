@@ -4,28 +4,41 @@ Each step the scheduler asks `AdaptiveSpec.choose(B)` for K_eff in 0..K, the dra
 speculative row of the step verifies (B: the requests the step may run). It maximises tokens per
 second,
 
-    E(k) / T(B, k),   E(k) = 1 + sum_{j < k} a_j,
+    E'(k) / T(B, k),   E'(k) = 1 + p * sum_{j < k} a_j,
 
 where a_j is the share of draft runs whose draft j was accepted (the engine's running
-per-position counts, `SpecDecodingStats`; prior pseudo-counts before any exist) and T(B, k) the
-step time a `StepCostModel` predicts for B rows verifying k drafts. K_eff = 0 is the plain
-decode step: the scheduler plans plain rows for the requests whose length the host knows. It
+per-position counts, `SpecDecodingStats`; prior pseudo-counts before any exist), p the share of
+speculative row-steps that had drafts to verify (an ngram row without a match emits one token)
+and T(B, k) the step time a `StepCostModel` predicts for B rows verifying k drafts. K_eff = 0 is
+the plain decode step: the scheduler plans plain rows for the requests whose length the host
+knows. It
 speculates (K_eff > 0) only when the best rate beats the plain step's, 1 / T(B, 0), by more
 than `SWITCH_MARGIN`: a speculating batch has costs its decode-step times leave out (requests
 finish on different steps, so refills land in mixed steps beside speculative rows; the first
 step after a switch verifies nothing), so a K_eff the model rates about even with 0 loses.
 
-`MeasuredCostModel`, the default, keeps an online estimate of T per (batch-size bucket, k) from
-the times between consecutive committed decode steps, and predicts unmeasured entries with a
+`MeasuredCostModel`, the default, keeps an online estimate of T per (batch-size bucket, k): the
+median of the last `window` times between consecutive committed decode steps of the same K_eff.
+The median, because a small model's steps are host-bound and a garbage-collection pause or a
+neighbour process makes single steps several times longer: with a running mean one such step
+can make K_eff = 0 look slower than speculating, and while the switch speculates K_eff = 0 is
+not measured again to correct it. A step right after a change of K_eff is not measured: the
+first step after switching on verifies nothing (its drafts were not proposed yet) and the draft
+model catches up on the positions it skipped. It predicts unmeasured entries with a
 roofline-style prior: a step streams the weights once (a fixed cost) until its query tokens
 B * (k + 1) saturate the compute units, then grows with them. The prior is scaled by the
-measured entries of the same bucket (or any bucket), so one measurement calibrates the rest.
+bucket's measured plain step, which the switch measures (K_eff = 0 on the bucket's first steps)
+before it speculates: scaled from a speculative step instead, the prior would price the plain
+step of a host-bound engine (whose speculative steps cost more than the prior's ratio says) too
+high, and the switch, speculating, would not measure it.
 Everything is host data: the decision never synchronises with the device.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -41,6 +54,8 @@ class StepCostModel(Protocol):
     """Predicted seconds of a decode step of `batch_size` rows verifying `k` drafts each."""
 
     def step_time(self, batch_size: int, k: int) -> float: ...
+
+    def measured(self, batch_size: int, k: int) -> bool: ...
 
     def observe(self, batch_size: int, k: int, seconds: float) -> None: ...
 
@@ -61,18 +76,23 @@ def bucket(batch_size: int) -> int:
 @dataclass
 class MeasuredCostModel:
     saturation_tokens: int = 256  # prior: query tokens at which compute matches weight reads
-    smoothing: float = 0.25  # weight of a new measurement in the running estimate
-    _measured: dict[tuple[int, int], float] = field(default_factory=dict)
+    window: int = 16  # measurements per (bucket, k) the estimate is the median of
+    _times: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
+    _measured: dict[tuple[int, int], float] = field(default_factory=dict)  # their medians
 
     def prior(self, batch_size: int, k: int) -> float:
         return max(1.0, batch_size * (k + 1) / self.saturation_tokens)
+
+    def measured(self, batch_size: int, k: int) -> bool:
+        return (bucket(batch_size), k) in self._measured
 
     def step_time(self, batch_size: int, k: int) -> float:
         b = bucket(batch_size)
         got = self._measured.get((b, k))
         if got is not None:
             return got
-        same = [(kk, t) for (bb, kk), t in self._measured.items() if bb == b]
+        # the bucket's plain step first: the switch measures it before it speculates
+        same = sorted((kk, t) for (bb, kk), t in self._measured.items() if bb == b)
         ref = same or [(kk, t * self.prior(b, kk) / self.prior(bb, kk))
                        for (bb, kk), t in self._measured.items()]
         if not ref:
@@ -82,9 +102,9 @@ class MeasuredCostModel:
 
     def observe(self, batch_size: int, k: int, seconds: float) -> None:
         key = (bucket(batch_size), k)
-        old = self._measured.get(key)
-        self._measured[key] = seconds if old is None else (
-            old + self.smoothing * (seconds - old))
+        times = self._times.setdefault(key, deque(maxlen=self.window))
+        times.append(seconds)
+        self._measured[key] = statistics.median(times)
 
 
 @dataclass
@@ -94,19 +114,26 @@ class AdaptiveSpec:
     cost: StepCostModel = field(default_factory=MeasuredCostModel)
     clock: Callable[[], float] = time.perf_counter
     margin: float = SWITCH_MARGIN
-    _last_commit: tuple[int, float] | None = None  # (step number, time) of the last commit
+    _last_commit: tuple[int, int, float] | None = None  # (step, K_eff, time) of the last commit
+    _spec_rows: int = 0  # rows of committed steps that verified drafts (K_eff > 0)
 
     def expected_tokens(self, k: int) -> float:
-        """E(k): tokens a speculative row emits verifying k drafts."""
+        """E'(k): tokens a speculative row emits verifying k drafts, counting the rows that had
+        none to verify (one token each)."""
         a = self.acceptance
         runs = a.num_drafts + PRIOR_RUNS
+        with_drafts = min(1.0, runs / (self._spec_rows + PRIOR_RUNS))
         per_pos = a.num_accepted_tokens_per_pos
-        return 1.0 + sum((per_pos[j] + PRIOR_RUNS * PRIOR_ACCEPT ** (j + 1)) / runs
-                         for j in range(k))
+        return 1.0 + with_drafts * sum((per_pos[j] + PRIOR_RUNS * PRIOR_ACCEPT ** (j + 1)) / runs
+                                       for j in range(k))
 
     def choose(self, batch_size: int) -> int:
         """K_eff for a step of `batch_size` speculative rows (ties: fewer drafts; K_eff > 0
-        only with a predicted gain over 0 of more than `margin`)."""
+        only with a predicted gain over 0 of more than `margin`). Until the plain step of the
+        batch size is measured, 0: the prior's speculative step costs are scaled from it, and
+        K_eff = 0 is measured only while the switch chooses it."""
+        if not self.cost.measured(batch_size, 0):
+            return 0
         best, best_rate = 0, (1 + self.margin) / self.cost.step_time(batch_size, 0)
         for k in range(1, self.k + 1):
             rate = self.expected_tokens(k) / self.cost.step_time(batch_size, k)
@@ -116,8 +143,11 @@ class AdaptiveSpec:
 
     def committed(self, step: int, batch_size: int, k: int, decode_only: bool) -> None:
         """Step `step` committed: the time since the previous step's commit is its step time
-        (the loop commits one step per step time when busy)."""
+        (the loop commits one step per step time when busy), measured when that step was a
+        decode step of the same K_eff."""
         now = self.clock()
-        last, self._last_commit = self._last_commit, (step, now)
-        if decode_only and last is not None and last[0] == step - 1:
-            self.cost.observe(batch_size, k, now - last[1])
+        last, self._last_commit = self._last_commit, (step, k, now)
+        if k > 0:
+            self._spec_rows += batch_size
+        if decode_only and last is not None and last[:2] == (step - 1, k):
+            self.cost.observe(batch_size, k, now - last[2])
