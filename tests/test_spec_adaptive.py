@@ -234,3 +234,15 @@ def test_rows_without_drafts_count_in_the_expected_tokens() -> None:
     policy.committed(0, 992, 1, True)  # 992 speculative rows, 496 of them with a draft
     stats.num_drafts, stats.num_accepted_tokens_per_pos = 496, [int(496 * 0.6)]
     assert policy.expected_tokens(1) - 1 == pytest.approx(full / 2, rel=0.01)
+
+
+def test_the_switch_is_asked_about_the_batch_the_scheduler_may_run() -> None:
+    """With fewer running places than requests (`max_running`, as `photon bench spec` sets it),
+    the batch the switch is asked about is at most that: the rows of the steps it times. Asked
+    about the whole queue, it chose for batch sizes whose steps it never measured."""
+    llm = _llm(True, K, max_num_seqs=4)
+    llm.engine.scheduler.max_running = 1
+    choices = attach_policy(llm, ExpensiveFrom(1 << 30))
+    out, _ = run(llm, _specs())
+    assert out == run(_llm(False), _specs())[0]
+    assert {b for b, _ in choices} <= {0, 1} and K in {k for _, k in choices}

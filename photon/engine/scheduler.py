@@ -231,10 +231,12 @@ class Scheduler(SchedulerCommit):
     def _spec_width(self) -> int:
         """K_eff, the drafts this step's speculative rows verify: the policy's choice for the
         batch (host data only), or K without a policy. The batch: the running requests and the
-        waiting ones it may admit (the step proposes for their first sampling rows)."""
+        waiting ones it may admit (the step proposes for their first sampling rows), at most
+        `max_running`: the rows of the steps the policy times, so its estimates are of the
+        batch sizes it is asked about."""
         if not self.spec_k or self.spec_policy is None:
             return self.spec_k
-        batch = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        batch = min(len(self.running) + len(self.waiting), self.max_running)
         return min(self.spec_k, self.spec_policy.choose(batch))
 
     def _prefill_ahead(self) -> bool:
