@@ -193,7 +193,7 @@ def test_cli_small_matrix(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     code = main(["bench", "spec", "--model", PHOTON_TINY, "--draft", PHOTON_TINY_DRAFT,
                  "--device", "cpu", "--batch-sizes", *map(str, BATCH_SIZES),
                  "--num-speculative-tokens", *map(str, KS), "--adaptive-num-speculative-tokens", "2",
-                 "--input-len", "16", "--requests-per-slot", "2",
+                 "--input-len", "16", "--requests-per-slot", "2", "--min-requests", "1",
                  "--output-len", str(OUTPUT_LEN), "--warmup-tokens", "2", "--no-paired",
                  "--output-json", str(out_json)])
     out, err = capsys.readouterr()
@@ -247,7 +247,8 @@ def test_cli_output_lengths_vary_and_are_generated(capsys: pytest.CaptureFixture
                  "--batch-sizes", "2", "--num-speculative-tokens", "2",
                  "--adaptive-num-speculative-tokens", "--input-len", "8", "--output-len", "6",
                  "--output-len-range-ratio", "0.5", "--requests-per-slot", "3",
-                 "--warmup-tokens", "0", "--no-paired", "--output-json", str(out_json)])
+                 "--min-requests", "8", "--warmup-tokens", "0", "--no-paired",
+                 "--output-json", str(out_json)])
     assert code == 0, capsys.readouterr().err
     summary = json.loads(out_json.read_text())
     assert summary["output_len_range_ratio"] == 0.5
@@ -256,7 +257,9 @@ def test_cli_output_lengths_vary_and_are_generated(capsys: pytest.CaptureFixture
     assert none["baseline_tokens_per_s"] is None is ngram["baseline_tokens_per_s"]
     assert ngram["speedup"] == pytest.approx(ngram["output_tokens_per_s"]
                                              / none["output_tokens_per_s"])
-    want = sum(output_lengths(6, 6, 0.5, 0))
+    # 3 x 2 requests, raised to --min-requests 8
+    assert (summary["requests_per_slot"], summary["min_requests"]) == (3, 8)
+    want = sum(output_lengths(8, 6, 0.5, 0))
     assert [c["output_tokens"] for c in summary["cells"]] == [want, want]
     assert main(["bench", "spec", "--device", "cpu", "--output-len-range-ratio", "1"]) != 0
     assert "--output-len-range-ratio must be in [0, 1)" in capsys.readouterr().err
@@ -270,7 +273,7 @@ def test_cli_control_is_a_paired_no_speculation_engine(capsys: pytest.CaptureFix
     code = main(["bench", "spec", "--model", PHOTON_TINY, "--device", "cpu", "--methods", "ngram",
                  "--batch-sizes", "2", "--num-speculative-tokens", "1",
                  "--adaptive-num-speculative-tokens", "--input-len", "8", "--output-len", "3",
-                 "--warmup-tokens", "0", "--control", "--repeats", "2",
+                 "--warmup-tokens", "0", "--control", "--repeats", "2", "--min-requests", "1",
                  "--output-json", str(out_json)])
     assert code == 0, capsys.readouterr().err
     cells = json.loads(out_json.read_text())["cells"]
@@ -296,6 +299,8 @@ def test_cli_refuses_a_speculative_config(capsys: pytest.CaptureFixture[str]) ->
     assert "--methods draft_model needs --draft" in capsys.readouterr().err
     assert main(["bench", "spec", "--device", "cpu", "--repeats", "2", "--no-paired"]) != 0
     assert "above 1 only with --paired" in capsys.readouterr().err
+    assert main(["bench", "spec", "--device", "cpu", "--min-requests", "0"]) != 0
+    assert "--min-requests must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_a_failing_setting_is_reported_and_the_others_run(capsys: pytest.CaptureFixture[str],
@@ -304,7 +309,7 @@ def test_a_failing_setting_is_reported_and_the_others_run(capsys: pytest.Capture
     code = main(["bench", "spec", "--model", PHOTON_TINY, "--draft", str(tmp_path / "missing"),
                  "--device", "cpu", "--batch-sizes", "2", "--num-speculative-tokens", "1",
                  "--adaptive-num-speculative-tokens", "--input-len", "8", "--output-len", "3",
-                 "--warmup-tokens", "0", "--output-json", str(out_json)])
+                 "--warmup-tokens", "0", "--min-requests", "1", "--output-json", str(out_json)])
     out, err = capsys.readouterr()
     assert code == 1 and "draft_model K=1 failed" in err
     summary = json.loads(out_json.read_text())

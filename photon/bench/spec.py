@@ -3,7 +3,8 @@
 For each engine setting (no speculation; each method x K x adaptive off/on) one engine is built
 and reused for every batch size B, smallest first: N x B greedy requests (EOS ignored,
 `--output-len` tokens each, or lengths drawn around it with `--output-len-range-ratio`, the same
-for every setting; N = `--requests-per-slot`) in one `LLM.generate` call with at most B
+for every setting; N = `--requests-per-slot`, at least `--min-requests` in all) in one
+`LLM.generate` call with at most B
 running at once, after a warm-up generate of 2 x B requests (B at a time, `--warmup-tokens`
 tokens and half as many, alternately, so that it refills too). Requests finish at different
 steps when speculating (their acceptance differs); refilling the batch keeps it at B, as a
@@ -103,6 +104,11 @@ def add_parser(bench_sub: Any) -> None:
                    help="Each cell runs N x B requests, at most B at a time: a finished request's "
                         "place is taken by the next, so the batch stays at B until the last B "
                         "(default 4; 1: one batch of B that ends with its slowest request).")
+    g.add_argument("--min-requests", type=int, default=16, metavar="M",
+                   help="Each cell runs at least M requests (default 16): at B = 1 and 4 the "
+                        "N x B of --requests-per-slot are a few requests, and how much a "
+                        "request's output repeats its prompt (ngram's acceptance) differs from "
+                        "one to the next.")
     g.add_argument("--warmup-tokens", type=int, default=16,
                    help="Output tokens of the longer warm-up requests (0: no warm-up; default "
                         "16).")
@@ -157,8 +163,10 @@ def _check_args(ns: argparse.Namespace) -> None:
     if ns.repeats < 1 or (ns.repeats > 1 and not ns.paired):
         raise ValueError(f"--repeats must be at least 1, and above 1 only with --paired, got "
                          f"{ns.repeats}")
-    if ns.requests_per_slot < 1:
-        raise ValueError(f"--requests-per-slot must be at least 1, got {ns.requests_per_slot}")
+    for flag, value in (("--requests-per-slot", ns.requests_per_slot),
+                        ("--min-requests", ns.min_requests)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
     if max(ns.batch_sizes) > ns.max_num_seqs:
         raise ValueError(f"--batch-sizes {max(ns.batch_sizes)} exceeds --max-num-seqs "
                          f"{ns.max_num_seqs}: raise --max-num-seqs")
@@ -183,7 +191,7 @@ def run_spec(ns: argparse.Namespace) -> int:
     baseline: _Engine | None = None
     with tempfile.TemporaryDirectory(prefix="photon-bench-") as workdir:
         args = _engine_args(bench_engine_args(ns, workdir), ns)
-        count = ns.requests_per_slot * max(batch_sizes)
+        count = _cell_requests(ns, max(batch_sizes))
         prompts, source = _prompts(ns, args, count)
         lengths = output_lengths(count, ns.output_len, ns.output_len_range_ratio, ns.prompt_seed)
         work = _Workload(prompts, lengths, batch_sizes, ns)
@@ -215,6 +223,7 @@ def _summary_line(ns: argparse.Namespace, args: Any, source: str, cells: list[Ce
                "model": args.model, "draft": ns.draft, "prompts": source,
                "input_len": ns.input_len, "output_len": ns.output_len,
                "output_len_range_ratio": ns.output_len_range_ratio,
+               "requests_per_slot": ns.requests_per_slot, "min_requests": ns.min_requests,
                "warmup_tokens": ns.warmup_tokens, "batch_sizes": sorted(set(ns.batch_sizes)),
                "num_speculative_tokens": sorted(set(ns.num_speculative_tokens)),
                "adaptive_num_speculative_tokens": sorted(set(ns.adaptive_num_speculative_tokens)),
@@ -263,9 +272,14 @@ class _Workload:
     ns: argparse.Namespace
 
     def at(self, b: int) -> tuple[list[list[int]], list[int]]:
-        """The requests of a cell of batch size `b`: N x B of them."""
-        n = self.ns.requests_per_slot * b
+        """The requests of a cell of batch size `b`."""
+        n = _cell_requests(self.ns, b)
         return self.prompts[:n], self.lengths[:n]
+
+
+def _cell_requests(ns: argparse.Namespace, b: int) -> int:
+    """Requests of a cell of batch size `b`: N x B, at least --min-requests."""
+    return max(ns.requests_per_slot * b, ns.min_requests)
 
 
 @dataclass
