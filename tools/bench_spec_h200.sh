@@ -15,6 +15,7 @@
 #   OUTPUT_LEN [128], INPUT_LEN [128]          tokens per request of every cell
 #   OUTPUT_LEN_RANGE_RATIO [0]                 output lengths drawn from OUTPUT_LEN x [1 - R, 1 + R]
 #   REQUESTS_PER_SLOT [4]                      each cell runs N x B requests, B at a time
+#   MIN_REQUESTS [16]                          ... and at least this many
 #   BATCH_SIZES ["1 4 16 64 256"]
 #   BUDGET_SECONDS [530]                       the whole run; each stage gets what is left
 #   BENCH_PAIR [unset]                         a directory holding photon-bench and
@@ -27,17 +28,19 @@
 #
 # The matrix: the bench pair with K = 1..5 (adaptive switch off) for ngram and draft_model, and
 # K = 5 with the switch on (it picks K_eff <= 5 per step); the committed pair with K = 1, 3, 5 off
-# and 5 on, and a second no-speculation engine (`--control`: the paired method's own noise). Each engine is built once and reused for every batch size (see photon/bench/spec.py).
+# and 5 on, and a second no-speculation engine (`--control`: the paired method's own noise).
+# Each engine is built once and reused for every batch size (see photon/bench/spec.py).
 #
 # Time on an H200: `bench spec` (paired: each speculative cell also times the no-speculation
-# engine twice) took 303 s for the bench pair and 143 s for the committed pair; training takes
-# its budgets plus ~40 s of start-up, evaluation and agreement, and prepare ~40 s (tokenizer
-# training and encoding of the standard library). With the default budgets the whole run needs
+# engine twice) took 303 s for the bench pair and 143 s for the committed pair with 4 requests at
+# B = 1 (16 since --min-requests: about a minute more); training takes its budgets plus ~40 s of
+# start-up, evaluation and agreement, and prepare ~40 s (tokenizer training and encoding of the
+# standard library). With the default budgets the whole run needs
 # more than one 10-minute slot: train first (BENCH_PAIR) or lower the budgets. A stage that
 # runs past the budget is stopped; the JSON of the finished stages stays (the bench pair first).
 set -uo pipefail
 
-[ $# -ge 1 ] || { sed -n '2,23p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,27p' "$0"; exit 2; }
 out="$1"
 data="${2:-$out/data}"
 mkdir -p "$out"
@@ -61,7 +64,8 @@ spec() {  # spec NAME ARGS...: photon bench spec on prompts of held-out code
   shift
   run python3 -m photon.cli bench spec --data "$data" --input-len "${INPUT_LEN:-128}" \
     --output-len "${OUTPUT_LEN:-128}" --output-len-range-ratio "${OUTPUT_LEN_RANGE_RATIO:-0}" \
-    --requests-per-slot "${REQUESTS_PER_SLOT:-4}" --batch-sizes ${BATCH_SIZES:-1 4 16 64 256} \
+    --requests-per-slot "${REQUESTS_PER_SLOT:-4}" --min-requests "${MIN_REQUESTS:-16}" \
+    --batch-sizes ${BATCH_SIZES:-1 4 16 64 256} \
     --output-json "$out/spec_$name.json" "$@"
 }
 
