@@ -25,7 +25,7 @@ class ExpensiveFrom:
     def step_time(self, batch_size: int, k: int) -> float:
         return 1.0 if k == 0 else (10.0 if batch_size >= self.n else 0.5)
 
-    def measured(self, batch_size: int, k: int) -> bool:
+    def knows_plain_step(self) -> bool:
         return True
 
     def observe(self, batch_size: int, k: int, seconds: float) -> None:
@@ -106,13 +106,14 @@ def test_an_expensive_cost_everywhere_keeps_speculation_off() -> None:
 def test_measured_cost_model_predicts_from_its_prior_then_measurements() -> None:
     model = MeasuredCostModel(saturation_tokens=64, window=3)
     assert model.step_time(8, 3) == 1.0 and model.step_time(64, 3) == 4.0  # the roofline prior
-    assert not model.measured(8, 0)
     model.observe(8, 3, 0.02)
-    assert model.step_time(8, 3) == 0.02 and model.measured(7, 3)
-    assert model.step_time(7, 0) == pytest.approx(0.02)  # same bucket, memory-bound prior
-    assert model.step_time(64, 3) == pytest.approx(0.02 * 4)  # another bucket: the prior's ratio
-    model.observe(8, 0, 0.01)  # the bucket's plain step: the reference of its other k
-    assert model.step_time(8, 7) == pytest.approx(0.01)
+    assert model.step_time(7, 3) == 0.02 and not model.knows_plain_step()
+    assert model.step_time(7, 0) == 1.0  # a speculative step is no reference for the plain one
+    model.observe(8, 0, 0.01)  # a plain step: the reference of every unmeasured entry
+    assert model.knows_plain_step() and model.step_time(8, 7) == pytest.approx(0.01)
+    assert model.step_time(64, 3) == pytest.approx(0.01 * 4)  # another bucket: the prior's ratio
+    model.observe(64, 0, 0.05)
+    assert model.step_time(128, 1) == pytest.approx(0.05 * 4)  # the nearest bucket's plain step
     for t in (0.04, 0.5):  # the median of the last `window`: one long step does not move it
         model.observe(8, 3, t)
     assert model.step_time(8, 3) == 0.04
@@ -132,9 +133,8 @@ def test_the_policy_weighs_acceptance_against_step_time() -> None:
         1 + sum((a + 8 * 0.6 ** (j + 1)) / 108 for j, a in enumerate([80, 50, 20])))
     assert policy.choose(4) == 3  # at half a plain step's cost any drafts pay
     policy.cost = MeasuredCostModel(saturation_tokens=4)  # the roofline prior: saturated
-    assert policy.choose(1) == 0  # the plain step not yet measured
+    assert policy.choose(1) == 0  # no plain step measured yet
     policy.cost.observe(1, 0, 1.0)
-    policy.cost.observe(64, 0, 1.0)
     assert policy.choose(1) == 3 and policy.choose(64) == 0
 
 
@@ -170,7 +170,7 @@ class _Times:
     def step_time(self, batch_size: int, k: int) -> float:
         return self.times[k]
 
-    def measured(self, batch_size: int, k: int) -> bool:
+    def knows_plain_step(self) -> bool:
         return True
 
     def observe(self, batch_size: int, k: int, seconds: float) -> None:
@@ -217,7 +217,7 @@ def test_the_switch_measures_the_plain_step_first_and_a_pause_does_not_flip_it()
     stats = SpecDecodingStats(1000, 3000, 1300, [650, 400, 250])  # E(1..3) = 1.65, 2.05, 2.3
     cost = {0: 1.0, 1: 1.7, 2: 2.2, 3: 2.6}
     chosen = _drive(AdaptiveSpec(3, stats), cost, 60, slow=frozenset({40}))
-    assert chosen[:2] == [0, 0]  # the plain step measured first (the first is not timed)
+    assert chosen[:2] == [0, 0]  # a plain step measured first (the first is not timed)
     explored = [i for i, k in enumerate(chosen) if k]
     assert explored and max(explored) < 30  # each K_eff tried (its steps timed), then 0
     assert set(chosen[30:]) == {0}
@@ -246,3 +246,13 @@ def test_the_switch_is_asked_about_the_batch_the_scheduler_may_run() -> None:
     out, _ = run(llm, _specs())
     assert out == run(_llm(False), _specs())[0]
     assert {b for b, _ in choices} <= {0, 1} and K in {k for _, k in choices}
+
+
+def test_a_batch_whose_steps_are_not_timed_is_priced_from_the_nearest_plain_step() -> None:
+    """Asked about 64 requests while the steps run 16 rows (the KV cache holds no more), the
+    switch prices bucket 64 from bucket 16's plain step: it speculates where that pays."""
+    from photon.spec.stats import SpecDecodingStats
+
+    policy = AdaptiveSpec(3, SpecDecodingStats(1000, 3000, 2400, [900, 800, 700]))
+    policy.cost.observe(16, 0, 1.0)
+    assert policy.choose(64) == 3  # E(3) = 3.4 at the plain step's cost (unsaturated)

@@ -26,11 +26,14 @@ not measured again to correct it. A step right after a change of K_eff is not me
 first step after switching on verifies nothing (its drafts were not proposed yet) and the draft
 model catches up on the positions it skipped. It predicts unmeasured entries with a
 roofline-style prior: a step streams the weights once (a fixed cost) until its query tokens
-B * (k + 1) saturate the compute units, then grows with them. The prior is scaled by the
-bucket's measured plain step, which the switch measures (K_eff = 0 on the bucket's first steps)
-before it speculates: scaled from a speculative step instead, the prior would price the plain
-step of a host-bound engine (whose speculative steps cost more than the prior's ratio says) too
-high, and the switch, speculating, would not measure it.
+B * (k + 1) saturate the compute units, then grows with them. The prior is scaled by a
+measured plain step, the bucket's or else the nearest bucket's, and the switch times one
+(K_eff = 0 on the engine's first decode steps) before it speculates: scaled from a speculative
+step instead, the prior would price the plain step of a host-bound engine (whose speculative
+steps cost more than the prior's ratio says) too high, and the switch, speculating, would not
+time it. (The nearest bucket's, because the rows of a step may stay below the batch the switch
+is asked about, when the KV cache holds fewer requests than may run: that bucket's steps are
+never timed.)
 Everything is host data: the decision never synchronises with the device.
 """
 
@@ -55,7 +58,7 @@ class StepCostModel(Protocol):
 
     def step_time(self, batch_size: int, k: int) -> float: ...
 
-    def measured(self, batch_size: int, k: int) -> bool: ...
+    def knows_plain_step(self) -> bool: ...
 
     def observe(self, batch_size: int, k: int, seconds: float) -> None: ...
 
@@ -83,22 +86,31 @@ class MeasuredCostModel:
     def prior(self, batch_size: int, k: int) -> float:
         return max(1.0, batch_size * (k + 1) / self.saturation_tokens)
 
-    def measured(self, batch_size: int, k: int) -> bool:
-        return (bucket(batch_size), k) in self._measured
+    def knows_plain_step(self) -> bool:
+        return any(k == 0 for _, k in self._measured)
+
+    def _plain(self, b: int) -> float | None:
+        """T(b, 0): measured, else the nearest bucket's measured plain step scaled by the
+        prior (None before any plain step is measured)."""
+        got = self._measured.get((b, 0))
+        if got is not None:
+            return got
+        plain = [(abs(bb.bit_length() - b.bit_length()), bb, t)
+                 for (bb, k), t in self._measured.items() if k == 0]
+        if not plain:
+            return None
+        _, bb, t = min(plain)
+        return t * self.prior(b, 0) / self.prior(bb, 0)
 
     def step_time(self, batch_size: int, k: int) -> float:
         b = bucket(batch_size)
         got = self._measured.get((b, k))
         if got is not None:
             return got
-        # the bucket's plain step first: the switch measures it before it speculates
-        same = sorted((kk, t) for (bb, kk), t in self._measured.items() if bb == b)
-        ref = same or [(kk, t * self.prior(b, kk) / self.prior(bb, kk))
-                       for (bb, kk), t in self._measured.items()]
-        if not ref:
+        plain = self._plain(b)
+        if plain is None:
             return self.prior(batch_size, k)
-        kk, t = ref[0]
-        return t * self.prior(b, k) / self.prior(b, kk)
+        return plain * self.prior(b, k) / self.prior(b, 0)
 
     def observe(self, batch_size: int, k: int, seconds: float) -> None:
         key = (bucket(batch_size), k)
@@ -129,10 +141,10 @@ class AdaptiveSpec:
 
     def choose(self, batch_size: int) -> int:
         """K_eff for a step of `batch_size` speculative rows (ties: fewer drafts; K_eff > 0
-        only with a predicted gain over 0 of more than `margin`). Until the plain step of the
-        batch size is measured, 0: the prior's speculative step costs are scaled from it, and
-        K_eff = 0 is measured only while the switch chooses it."""
-        if not self.cost.measured(batch_size, 0):
+        only with a predicted gain over 0 of more than `margin`). 0 until a plain step has
+        been timed: the prior's step costs are scaled from it, and K_eff = 0 is timed only
+        while the switch chooses it."""
+        if not self.cost.knows_plain_step():
             return 0
         best, best_rate = 0, (1 + self.margin) / self.cost.step_time(batch_size, 0)
         for k in range(1, self.k + 1):
