@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,5 +108,43 @@ def test_host_profile_times_the_steps_and_names_the_engine_functions() -> None:
         assert core.scheduler.num_steps >= 8  # both rounds ran
         while core.scheduler.has_unfinished():
             core.step()
+    finally:
+        llm.engine.shutdown()
+
+
+def test_lora_kernels_are_a_class_of_their_own() -> None:
+    from photon.bench.profile import classify
+
+    assert classify("_shrink_kernel") == classify("_expand_kernel") == "lora"
+    assert classify("_decode_split_kernel") == "attention"
+
+
+def test_profile_requests_run_the_synthetic_adapters(tmp_path: Path) -> None:
+    """`photon bench profile --num-lora-adapters N`: the batch and the refills run the adapters
+    round-robin, through slots (the LoRA kernels are in the profiled steps)."""
+    import argparse
+
+    from photon import LLM
+    from photon.bench.bubble import _start_batch
+    from photon.bench.profile import add_refills
+    from photon.bench.throughput_lora import LoRABench, assign, write_adapters
+    from photon.model.tiny import resolve_model_path
+
+    bench = LoRABench(2, 4, ("q_proj", "v_proj"), "round-robin")
+    adapters = write_adapters(bench, resolve_model_path("photon-tiny"), str(tmp_path))
+    llm = LLM("photon-tiny", device="cpu", max_num_seqs=8, enable_lora=True, max_loras=2,
+              max_lora_rank=4)
+    try:
+        core = llm.engine
+        ns = argparse.Namespace(prompt_len=6, warmup_steps=1, steps=2, temperature=0.0,
+                                output_mode="final")
+        _start_batch(core, 3, ns, assign(adapters, 3, "round-robin", 0))
+        running = sorted(core.scheduler.running, key=lambda r: r.arrival_time)
+        assert [r.lora_request.lora_int_id for r in running] == [1, 2, 1]
+        add_refills(core, 2, 5, 2, seed=1, loras=adapters)
+        assert [r.lora_request.lora_int_id for r in core.scheduler.waiting] == [2, 1]
+        while core.scheduler.has_unfinished():
+            core.step()
+        assert llm.engine.stats().lora.num_slot_loads == 2
     finally:
         llm.engine.shutdown()

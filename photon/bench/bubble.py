@@ -98,7 +98,10 @@ def _sync(core: EngineCore) -> None:
         torch.cuda.synchronize()
 
 
-def _start_batch(core: EngineCore, batch: int, ns: argparse.Namespace) -> list[str]:
+def _start_batch(core: EngineCore, batch: int, ns: argparse.Namespace,
+                 loras: list[Any] | None = None) -> list[str]:
+    """`batch` requests prefilled until each decodes, then the warm-up steps; request i runs
+    with adapter loras[i] (None: the base model)."""
     rng = random.Random(batch)
     # Early requests decode while later ones prefill: leave room so that none finishes early.
     budget = core.config.scheduler.max_num_batched_tokens
@@ -110,7 +113,8 @@ def _start_batch(core: EngineCore, batch: int, ns: argparse.Namespace) -> list[s
         params = SamplingParams(temperature=ns.temperature, seed=i, max_tokens=max_tokens,
                                 ignore_eos=True, detokenize=True)
         delta = ns.output_mode == "delta"
-        ids.append(core.add_request(prompt, params, stream=delta, delta=delta))
+        ids.append(core.add_request(prompt, params, stream=delta, delta=delta,
+                                    lora_request=loras[i] if loras else None))
     while any(not r.output_token_ids for r in core.scheduler.running) or core.scheduler.waiting:
         core.step()  # prefill until every request decodes
     for _ in range(ns.warmup_steps):
