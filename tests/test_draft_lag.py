@@ -197,3 +197,35 @@ def test_a_next_turn_hits_an_answer_decoded_with_the_draft_skipped(target: str) 
     counters = llm.engine.runner.spec.counters
     assert counters.num_drafts > 0
     assert counters.num_accepted_tokens == counters.num_draft_tokens
+
+
+def _staged_blocks(llm: object) -> list[tuple[tuple[int, ...], list[int]]]:
+    """Record, for every step the runner prepares, the staged block table's shape and the
+    blocks each row's request holds (what the scheduler reserved)."""
+    runner = llm.engine.runner  # type: ignore[attr-defined]
+    prepare = runner.prepare
+    seen: list[tuple[tuple[int, ...], list[int]]] = []
+
+    def recorded(plan):  # noqa: ANN001, ANN202
+        prep = prepare(plan)
+        if prep is not None:
+            seen.append((tuple(prep.host.inputs.block_tables.shape),
+                         [len(r.block_ids) for r in plan.rows]))
+        return prep
+
+    runner.prepare = recorded
+    return seen
+
+
+def test_steps_that_propose_nothing_reserve_no_draft_lookahead(target: str) -> None:  # noqa: F811
+    """With the switch off, a draft engine's rows hold the blocks and stage the block tables a
+    plain engine's do: the K positions past a sampling row are for the draft's steps after
+    sampling, which run only in a step that proposes."""
+    specs = _specs()
+    plain = _draft_llm(target, None, True, block_size=4)
+    off = _draft_llm(target, target, True, block_size=4)
+    off.engine.scheduler.spec_policy = _Switch(0)
+    seen_plain, seen_off = _staged_blocks(plain), _staged_blocks(off)
+    out, _ = run(plain, specs)
+    assert run(off, specs)[0] == out
+    assert seen_off == seen_plain and len(seen_plain) > 10

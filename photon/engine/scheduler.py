@@ -188,7 +188,7 @@ class Scheduler(SchedulerCommit):
         k_eff = 0 if k_choice and self.spec_policy is not None and self._prefill_ahead() \
             else k_choice
         out.spec_k = k_eff
-        out.plan.propose = k_choice > 0
+        out.plan.propose = propose = k_choice > 0
         finishing = 0  # running requests with every output sampled: they end at its commit
         for req in list(self.running):  # a copy: preemption edits the list
             if budget == 0:
@@ -213,7 +213,7 @@ class Scheduler(SchedulerCommit):
                 continue
             num_new = min(known - req.num_computed_tokens, budget)
             end = req.num_computed_tokens + num_new
-            if num_new > 0 and self._reserve(req, self._row_reserve(req, end, known)):
+            if num_new > 0 and self._reserve(req, self._row_reserve(req, end, known, propose)):
                 self._add_row(req, num_new, out)
                 budget -= num_new
         self._admit_waiting(budget, out, finishing)
@@ -280,10 +280,11 @@ class Scheduler(SchedulerCommit):
         (the device sends positions past the request's blocks to the null block)."""
         return min(bound + req.spec_k + self.draft_lookahead, self.max_model_len)
 
-    def _row_reserve(self, req: Request, end: int, known: int) -> int:
+    def _row_reserve(self, req: Request, end: int, known: int, propose: bool) -> int:
         """KV positions a plain row ending at `end` may write: a speculative request's sampling
-        row (end == known) also the draft model's steps after it, within max_model_len."""
-        if req.spec_k and end == known and self.draft_lookahead:
+        row (end == known) in a step that proposes also the draft model's steps after it, within
+        max_model_len (a step that proposes nothing runs no draft steps after sampling)."""
+        if propose and req.spec_k and end == known and self.draft_lookahead:
             return max(end, min(end + self.draft_lookahead, self.max_model_len))
         return end
 
@@ -340,7 +341,8 @@ class Scheduler(SchedulerCommit):
                     break
                 continue  # it waits for its KV cache from a prefill instance
             num_new = min(req.num_known_tokens - start, budget)
-            end = self._row_reserve(req, start + num_new, req.num_known_tokens)
+            end = self._row_reserve(req, start + num_new, req.num_known_tokens,
+                                    out.plan.propose)
             if not self.kv.allocate(req.key, end, prefix, req.block_extra):
                 break
             self.waiting.popleft()

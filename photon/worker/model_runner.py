@@ -278,8 +278,9 @@ class ModelRunner:
         plain_decode = is_plain_decode(rows)
         if plain_decode:
             self.table.sync_blocks(rows)
+            # the draft's steps after sampling (their KV past seq_len) run only if it proposes
             host = build_decode_inputs(rows, self.table, self.block_size, self.pool_width,
-                                       self.draft_lookahead)
+                                       self.draft_lookahead if plan.propose else 0)
         elif (k := uniform_spec_k(rows)) is not None:
             host = build_spec_inputs(rows, self.table, k, self.pool_width, self.block_size)
         else:
