@@ -229,3 +229,17 @@ def test_steps_that_propose_nothing_reserve_no_draft_lookahead(target: str) -> N
     out, _ = run(plain, specs)
     assert run(off, specs)[0] == out
     assert seen_off == seen_plain and len(seen_plain) > 10
+
+
+def test_the_rows_arrays_of_a_decode_step_stand_for_the_rows() -> None:
+    """The runner passes a decode step's pool rows and positions (one per row) instead of the
+    rows' own fields: the same marks and fills."""
+    by_rows, by_arrays = _lag(4), _lag(4)
+    for rows, propose in (([_row(1, 5), _row(2, 9)], False), ([_row(1, 6), _row(2, 10)], False),
+                          ([_row(1, 7), _row(2, 11)], True)):
+        arrays = (np.array([r.req_index for r in rows]), np.array([r.start for r in rows]))
+        a, b = by_rows.step(rows, propose, True), by_arrays.step(rows, propose, True, arrays)
+        assert a[0] == b[0] and [c.positions.tolist() for c in a[1]] == \
+            [c.positions.tolist() for c in b[1]]
+        assert by_rows.since.tolist() == by_arrays.since.tolist()
+        assert (by_rows.missing == by_arrays.missing).all()

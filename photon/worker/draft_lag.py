@@ -71,13 +71,17 @@ class DraftLag:
         self.since[req_index] = -1
         self.fresh[req_index] = True
 
-    def step(self, rows: list[ScheduledRow], propose: bool, plain_decode: bool
+    def step(self, rows: list[ScheduledRow], propose: bool, plain_decode: bool,
+             per_row: tuple[np.ndarray, np.ndarray] | None = None
              ) -> tuple[bool, list[FillChunk]]:
         """(whether a step of `rows` skips the draft's catch-up, the chunks to fill before it
         runs it): it skips when it proposes nothing after sampling and is a plain decode step
-        (`plain_decode`: one sampled token per row, none speculative)."""
-        req = np.fromiter((r.req_index for r in rows), dtype=I64, count=len(rows))
-        starts = np.fromiter((r.start for r in rows), dtype=I64, count=len(rows))
+        (`plain_decode`: one sampled token per row, none speculative). `per_row`: the rows'
+        request indices and starts when the caller has them as arrays already."""
+        if per_row is None:
+            per_row = (np.fromiter((r.req_index for r in rows), dtype=I64, count=len(rows)),
+                       np.fromiter((r.start for r in rows), dtype=I64, count=len(rows)))
+        req, starts = per_row
         self._check_prefixes(rows, req)
         if not propose and plain_decode:
             self.skip(req, starts)

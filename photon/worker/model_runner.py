@@ -289,7 +289,9 @@ class ModelRunner:
         self.table.pool_valid[idx] = valid
         fill: list[FillChunk] = []
         if self.draft_lag is not None:
-            host.skip_draft, fill = self.draft_lag.step(rows, plan.propose, plain_decode)
+            # a decode step's inputs have one position and pool row per row: the rows' own
+            per_row = (host.inputs.pool_rows, host.inputs.positions) if plain_decode else None
+            host.skip_draft, fill = self.draft_lag.step(rows, plan.propose, plain_decode, per_row)
         calibrating = self.kv_scales is not None and self.kv_scales.calibrating
         graph_key = None if self.graphs is None or calibrating else self.graphs.plan(rows, host)
         if graph_key is None and self.piecewise is not None and not calibrating:
