@@ -188,7 +188,10 @@ class Scheduler(SchedulerCommit):
         k_eff = 0 if k_choice and self.spec_policy is not None and self._prefill_ahead() \
             else k_choice
         out.spec_k = k_eff
-        out.plan.propose = propose = k_choice > 0
+        out.plan.propose = k_choice > 0
+        # KV past a sampling row for the draft model's steps after it: only a step that
+        # proposes runs them
+        lookahead = self.draft_lookahead if out.plan.propose else 0
         finishing = 0  # running requests with every output sampled: they end at its commit
         for req in list(self.running):  # a copy: preemption edits the list
             if budget == 0:
@@ -213,7 +216,8 @@ class Scheduler(SchedulerCommit):
                 continue
             num_new = min(known - req.num_computed_tokens, budget)
             end = req.num_computed_tokens + num_new
-            if num_new > 0 and self._reserve(req, self._row_reserve(req, end, known, propose)):
+            reserve = self._row_reserve(req, end, known, lookahead) if lookahead else end
+            if num_new > 0 and self._reserve(req, reserve):
                 self._add_row(req, num_new, out)
                 budget -= num_new
         self._admit_waiting(budget, out, finishing)
@@ -280,12 +284,12 @@ class Scheduler(SchedulerCommit):
         (the device sends positions past the request's blocks to the null block)."""
         return min(bound + req.spec_k + self.draft_lookahead, self.max_model_len)
 
-    def _row_reserve(self, req: Request, end: int, known: int, propose: bool) -> int:
+    def _row_reserve(self, req: Request, end: int, known: int, lookahead: int) -> int:
         """KV positions a plain row ending at `end` may write: a speculative request's sampling
-        row (end == known) in a step that proposes also the draft model's steps after it, within
-        max_model_len (a step that proposes nothing runs no draft steps after sampling)."""
-        if propose and req.spec_k and end == known and self.draft_lookahead:
-            return max(end, min(end + self.draft_lookahead, self.max_model_len))
+        row (end == known) also the `lookahead` positions of the draft model's steps after it
+        (0 in a step that proposes nothing: it runs none), within max_model_len."""
+        if lookahead and req.spec_k and end == known:
+            return max(end, min(end + lookahead, self.max_model_len))
         return end
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
@@ -342,7 +346,7 @@ class Scheduler(SchedulerCommit):
                 continue  # it waits for its KV cache from a prefill instance
             num_new = min(req.num_known_tokens - start, budget)
             end = self._row_reserve(req, start + num_new, req.num_known_tokens,
-                                    out.plan.propose)
+                                    self.draft_lookahead if out.plan.propose else 0)
             if not self.kv.allocate(req.key, end, prefix, req.block_extra):
                 break
             self.waiting.popleft()
