@@ -3,7 +3,8 @@
 B requests are prefilled to a given context, then N decode steps run under torch.profiler. Each GPU
 kernel is put in a class by its name (attention, gemm, sampling, elementwise); idle is the wall time
 not covered by any kernel; with `--num-lora-adapters N` the requests run synthetic adapters (as
-`photon bench throughput`'s, round-robin) and the LoRA kernels are a class of their own. With
+`photon bench throughput`'s, assigned by `--lora-assignment`) and the LoRA kernels are a class
+of their own. With
 `--refills-per-step R`, R new requests of `--refill-prompt-len`
 tokens arrive before each profiled step, so every step is a mixed one (the decode rows beside
 prefill chunks), as in a server whose finished requests are replaced; the warm-up steps refill too,
@@ -177,7 +178,7 @@ def _profile(ns: argparse.Namespace, whole: argparse.Namespace, lora: Any, tmp: 
     args = bench_engine_args(ns, tmp)
     adapters = (write_adapters(lora, resolve_model_path(args.model), tmp)
                 if lora.num_adapters else [])
-    loras = assign(adapters, ns.batch_size, "round-robin", 0)
+    loras = assign(adapters, ns.batch_size, lora.assignment, 0)  # the refills cycle through it
     llm = LLM(**asdict(args))
     core = llm.engine
     _start_batch(core, ns.batch_size, whole, loras)

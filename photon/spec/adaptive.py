@@ -8,7 +8,8 @@ second,
 
 where a_j is the share of draft runs whose draft j was accepted (the engine's running
 per-position counts, `SpecDecodingStats`; prior pseudo-counts before any exist), p the share of
-speculative row-steps that had drafts to verify (an ngram row without a match emits one token)
+the rows of steps verifying drafts that had drafts to verify (an ngram row without a match, a
+row right after the switch turned on, emits one token)
 and T(B, k) the step time a `StepCostModel` predicts for B rows verifying k drafts. K_eff = 0 is
 the plain decode step: the scheduler plans plain rows for the requests whose length the host
 knows. It
