@@ -8,7 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from photon.kernels.lora import BLOCK_M, lora_expand, lora_meta, lora_shrink, num_blocks
+from photon.kernels.lora import (
+    BLOCK_M,
+    LARGE_BATCH,
+    LARGE_BLOCK_M,
+    block_m_for,
+    lora_expand,
+    lora_meta,
+    lora_shrink,
+    num_blocks,
+)
 from photon.lora.layers import lora_delta_torch
 from tests.test_kernels import DEVICE
 from tests.test_kernels import pytestmark as kernel_marks
@@ -16,9 +25,11 @@ from tests.test_kernels import pytestmark as kernel_marks
 pytestmark = kernel_marks
 
 
-@pytest.mark.parametrize("num_tokens,rank,k,n", [(1, 16, 40, 24), (37, 48, 64, 72),
-                                                 (5, 8, 32, 33), (19, 80, 600, 40)])
-def test_shrink_expand_match_torch(num_tokens: int, rank: int, k: int, n: int) -> None:
+@pytest.mark.parametrize("num_tokens,rank,k,n,block_m", [
+    (1, 16, 40, 24, BLOCK_M), (37, 48, 64, 72, BLOCK_M), (5, 8, 32, 33, BLOCK_M),
+    (19, 80, 600, 40, BLOCK_M), (37, 48, 64, 72, LARGE_BLOCK_M), (150, 16, 40, 24, LARGE_BLOCK_M)])
+def test_shrink_expand_match_torch(num_tokens: int, rank: int, k: int, n: int,
+                                   block_m: int) -> None:
     gen = torch.Generator().manual_seed(num_tokens)
     slots = 4
     a = torch.randn(slots, rank, k, generator=gen)
@@ -31,7 +42,7 @@ def test_shrink_expand_match_torch(num_tokens: int, rank: int, k: int, n: int) -
     want = base + lora_delta_torch(x, a, b, token_slots)
     dev = [t.to(DEVICE) for t in (x, a, b, token_slots, base)]
     x_d, a_d, b_d, s_d, out = dev
-    meta = lora_meta(s_d, slots)
+    meta = lora_meta(s_d, slots, block_m)
     lora_expand(lora_shrink(x_d, a_d, meta), b_d, meta, out)
     torch.testing.assert_close(out.cpu(), want, rtol=1e-4, atol=1e-3)
     # base-model tokens are untouched, bit for bit
@@ -55,6 +66,17 @@ def test_meta_cuts_each_adapted_slot_into_blocks() -> None:
     want_slots = [1, 3, 3] + [4] * (num_blocks(token_slots.shape[0], 4) - 3)
     assert meta.block_slot.tolist() == want_slots
     assert meta.block_pos.tolist()[:3] == [5, 7, 7 + BLOCK_M]
+
+
+def test_prompt_sized_batches_cut_larger_blocks() -> None:
+    """From LARGE_BATCH tokens on, blocks of LARGE_BLOCK_M tokens: fewer reads of each slot's
+    weights per token."""
+    assert block_m_for(LARGE_BATCH - 1) == BLOCK_M and block_m_for(LARGE_BATCH) == LARGE_BLOCK_M
+    token_slots = torch.tensor([1] * 70 + [2] * (LARGE_BATCH - 70))
+    meta = lora_meta(token_slots, 3)
+    assert meta.block_m == LARGE_BLOCK_M
+    assert meta.block_pos.tolist()[:3] == [0, 64, 70]  # slot 1: 64 + 6 tokens, then slot 2
+    assert meta.block_slot.tolist()[:3] == [1, 1, 2]
 
 
 def test_kv_sizing_leaves_room_for_every_layers_shrink_output() -> None:

@@ -2,7 +2,10 @@
 grouped by slot (the SGMV idea, as vLLM's lora_shrink / lora_expand).
 
 The tokens are sorted by slot once per step (`LoRAMeta`) and cut into blocks of BLOCK_M tokens
-of one slot each; slot 0 (the base model) gets no blocks. Every layer then launches:
+of one slot each; slot 0 (the base model) gets no blocks. BLOCK_M is 16 for decode-sized batches
+and 64 from LARGE_BATCH tokens on (prompt steps): each block reads its slot's A and B once, so
+larger blocks read them fewer times per token (a 16-token block of an 8,192-token prompt step
+re-reads them 512 times per layer). Every layer then launches:
   shrink: h[s, t, :] = x[t, Ks] @ A[slot(t)][:, Ks].T    grid (block, K split s, rank block)
   expand: out[t, n] += (sum_s h[s, t, :]) @ B[slot(t)][n].T   grid (block, N block)
 The shrink splits K into fixed chunks of SPLIT_K columns so a decode batch fills the GPU; each
@@ -21,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16  # tokens per block (tl.dot's smallest tile)
+BLOCK_M = 16  # tokens per block below LARGE_BATCH tokens (tl.dot's smallest tile)
+LARGE_BLOCK_M = 64  # tokens per block from LARGE_BATCH tokens on
+LARGE_BATCH = 1024
 BLOCK_K = 64
 BLOCK_N = 128
 MAX_BLOCK_R = 64  # rank columns per program: bounds the accumulator's registers
@@ -37,28 +42,38 @@ class LoRAMeta:
     counts: torch.Tensor  # [S] tokens of each slot
     block_slot: torch.Tensor  # [B] each block's slot (S past the last block)
     block_pos: torch.Tensor  # [B] each block's first position in `order`
+    block_m: int  # tokens per block
 
 
-def num_blocks(num_tokens: int, num_slots: int) -> int:
-    """Blocks the grids cover: every slot's count rounded up to BLOCK_M, at most."""
-    return triton.cdiv(num_tokens, BLOCK_M) + num_slots - 1
+def block_m_for(num_tokens: int) -> int:
+    """Tokens per block for a forward of `num_tokens` (a function of the token count alone, so
+    a CUDA graph of a fixed token count keeps its grids)."""
+    return LARGE_BLOCK_M if num_tokens >= LARGE_BATCH else BLOCK_M
 
 
-def lora_meta(token_slots: torch.Tensor, num_slots: int) -> LoRAMeta:
-    """Group the tokens by slot and cut them into blocks on the device (no host sync)."""
+def num_blocks(num_tokens: int, num_slots: int, block_m: int = BLOCK_M) -> int:
+    """Blocks the grids cover: every slot's count rounded up to block_m, at most."""
+    return triton.cdiv(num_tokens, block_m) + num_slots - 1
+
+
+def lora_meta(token_slots: torch.Tensor, num_slots: int, block_m: int | None = None
+              ) -> LoRAMeta:
+    """Group the tokens by slot and cut them into blocks on the device (no host sync); blocks
+    of `block_m` tokens (default: `block_m_for` the token count)."""
+    bm = block_m_for(token_slots.shape[0]) if block_m is None else block_m
     dev = token_slots.device
     order = torch.argsort(token_slots, stable=True)
     counts = torch.zeros(num_slots, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, token_slots, torch.ones_like(token_slots))
     starts = torch.cumsum(counts, 0) - counts
-    per_slot = (counts + BLOCK_M - 1) // BLOCK_M
+    per_slot = (counts + bm - 1) // bm
     per_slot[:1].zero_()  # the base model's tokens need no delta (a device op: graph-safe)
     ends = torch.cumsum(per_slot, 0)
-    block = torch.arange(num_blocks(token_slots.shape[0], num_slots), device=dev)
+    block = torch.arange(num_blocks(token_slots.shape[0], num_slots, bm), device=dev)
     slot = torch.searchsorted(ends, block, right=True)
     first = (ends - per_slot)[slot.clamp(max=num_slots - 1)]
-    pos = starts[slot.clamp(max=num_slots - 1)] + (block - first) * BLOCK_M
-    return LoRAMeta(order, starts, counts, slot, pos)
+    pos = starts[slot.clamp(max=num_slots - 1)] + (block - first) * bm
+    return LoRAMeta(order, starts, counts, slot, pos, bm)
 
 
 @triton.jit
@@ -144,7 +159,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta: LoRAMeta) -> torch.Tenso
     grid = (meta.block_slot.shape[0], splits, triton.cdiv(rank, block_r))
     _shrink_kernel[grid](x, a, h, *_meta_args(meta), slots, k, rank,
                          x.stride(0), a.stride(0), a.stride(1), h.stride(0), h.stride(1),
-                         BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=block_r, SPLIT_K=SPLIT_K)
+                         BLOCK_M=meta.block_m, BLOCK_K=BLOCK_K, BLOCK_R=block_r, SPLIT_K=SPLIT_K)
     return h
 
 
@@ -156,4 +171,4 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, meta: LoRAMeta, out: torch.Ten
     grid = (meta.block_slot.shape[0], triton.cdiv(n, BLOCK_N))
     _expand_kernel[grid](h, b, out, *_meta_args(meta), slots, n, rank, splits,
                          h.stride(0), h.stride(1), b.stride(0), b.stride(1), out.stride(0),
-                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=_block_r(rank))
+                         BLOCK_M=meta.block_m, BLOCK_N=BLOCK_N, BLOCK_R=_block_r(rank))
