@@ -189,9 +189,7 @@ class Scheduler(SchedulerCommit):
             else k_choice
         out.spec_k = k_eff
         out.plan.propose = k_choice > 0
-        # KV past a sampling row for the draft model's steps after it: only a step that
-        # proposes runs them
-        lookahead = self.draft_lookahead if out.plan.propose else 0
+        lookahead = self._lookahead(out)
         finishing = 0  # running requests with every output sampled: they end at its commit
         for req in list(self.running):  # a copy: preemption edits the list
             if budget == 0:
@@ -284,6 +282,11 @@ class Scheduler(SchedulerCommit):
         (the device sends positions past the request's blocks to the null block)."""
         return min(bound + req.spec_k + self.draft_lookahead, self.max_model_len)
 
+    def _lookahead(self, out: SchedulerOutput) -> int:
+        """KV positions past a sampling row for the draft model's steps after it: only a step
+        that proposes runs them."""
+        return self.draft_lookahead if out.plan.propose else 0
+
     def _row_reserve(self, req: Request, end: int, known: int, lookahead: int) -> int:
         """KV positions a plain row ending at `end` may write: a speculative request's sampling
         row (end == known) also the `lookahead` positions of the draft model's steps after it
@@ -346,7 +349,7 @@ class Scheduler(SchedulerCommit):
                 continue  # it waits for its KV cache from a prefill instance
             num_new = min(req.num_known_tokens - start, budget)
             end = self._row_reserve(req, start + num_new, req.num_known_tokens,
-                                    self.draft_lookahead if out.plan.propose else 0)
+                                    self._lookahead(out))
             if not self.kv.allocate(req.key, end, prefix, req.block_extra):
                 break
             self.waiting.popleft()
