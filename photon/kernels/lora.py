@@ -94,7 +94,7 @@ def _block_tokens(order_ptr, starts_ptr, counts_ptr, block_slot_ptr, block_pos_p
 def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, counts_ptr, block_slot_ptr,
                    block_pos_ptr, S, K, R, stride_x, stride_as, stride_ar, stride_hs, stride_h,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                   SPLIT_K: tl.constexpr):
+                   SPLIT_K: tl.constexpr, PRECISION: tl.constexpr):
     pid, split, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot, tok, valid = _block_tokens(order_ptr, starts_ptr, counts_ptr, block_slot_ptr,
                                      block_pos_ptr, pid, S, BLOCK_M)
@@ -108,7 +108,7 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, counts_ptr, block
                     mask=valid[:, None] & (k[None, :] < K), other=0.0)
         a = tl.load(a_ptr + slot * stride_as + r[None, :] * stride_ar + k[:, None],
                     mask=(r[None, :] < R) & (k[:, None] < K), other=0.0)
-        acc = tl.dot(x, a.to(x.dtype), acc)
+        acc = tl.dot(x, a.to(x.dtype), acc, input_precision=PRECISION)
     tl.store(h_ptr + split * stride_hs + tok[:, None] * stride_h + r[None, :], acc,
              mask=valid[:, None] & (r[None, :] < R))
 
@@ -117,7 +117,7 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, counts_ptr, block
 def _expand_kernel(h_ptr, b_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, block_slot_ptr,
                    block_pos_ptr, S, N, R, num_splits, stride_hs, stride_h, stride_bs, stride_bn,
                    stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_R: tl.constexpr):
+                   BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     pid, nb = tl.program_id(0), tl.program_id(1)
     slot, tok, valid = _block_tokens(order_ptr, starts_ptr, counts_ptr, block_slot_ptr,
                                      block_pos_ptr, pid, S, BLOCK_M)
@@ -134,11 +134,17 @@ def _expand_kernel(h_ptr, b_ptr, out_ptr, order_ptr, starts_ptr, counts_ptr, blo
                          mask=h_mask, other=0.0)
         b = tl.load(b_ptr + slot * stride_bs + n[None, :] * stride_bn + r[:, None],
                     mask=(n[None, :] < N) & (r[:, None] < R), other=0.0)
-        acc = tl.dot(h.to(b.dtype), b, acc)
+        acc = tl.dot(h.to(b.dtype), b, acc, input_precision=PRECISION)
     mask = valid[:, None] & (n[None, :] < N)
     ptrs = out_ptr + tok[:, None] * stride_out + n[None, :]
     cur = tl.load(ptrs, mask=mask, other=0.0)
     tl.store(ptrs, (cur.to(tl.float32) + acc).to(cur.dtype), mask=mask)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 weights get fp32 products (tl.dot rounds fp32 inputs to TF32 by default); the
+    # half-precision dtypes the engine serves in are exact in either mode
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _block_r(rank: int) -> int:
@@ -159,7 +165,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta: LoRAMeta) -> torch.Tenso
     grid = (meta.block_slot.shape[0], splits, triton.cdiv(rank, block_r))
     _shrink_kernel[grid](x, a, h, *_meta_args(meta), slots, k, rank,
                          x.stride(0), a.stride(0), a.stride(1), h.stride(0), h.stride(1),
-                         BLOCK_M=meta.block_m, BLOCK_K=BLOCK_K, BLOCK_R=block_r, SPLIT_K=SPLIT_K)
+                         BLOCK_M=meta.block_m, BLOCK_K=BLOCK_K, BLOCK_R=block_r, SPLIT_K=SPLIT_K,
+                         PRECISION=_precision(x.dtype))
     return h
 
 
@@ -171,4 +178,5 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, meta: LoRAMeta, out: torch.Ten
     grid = (meta.block_slot.shape[0], triton.cdiv(n, BLOCK_N))
     _expand_kernel[grid](h, b, out, *_meta_args(meta), slots, n, rank, splits,
                          h.stride(0), h.stride(1), b.stride(0), b.stride(1), out.stride(0),
-                         BLOCK_M=meta.block_m, BLOCK_N=BLOCK_N, BLOCK_R=_block_r(rank))
+                         BLOCK_M=meta.block_m, BLOCK_N=BLOCK_N, BLOCK_R=_block_r(rank),
+                         PRECISION=_precision(b.dtype))
