@@ -173,7 +173,8 @@ class _Switch:
     def choose(self, batch_size: int) -> int:
         return self.k
 
-    def committed(self, step: int, batch_size: int, k: int, decode_only: bool) -> None:
+    def committed(self, step: int, batch_size: int, k: int, decode_only: bool,
+                  tokens: int) -> None:
         pass
 
 

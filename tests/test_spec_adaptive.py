@@ -202,7 +202,7 @@ def _drive(policy: AdaptiveSpec, cost: dict[int, float], steps: int,
     for i in range(steps):
         k = policy.choose(64)
         now[0] += 10.0 if i in slow else cost[k]
-        policy.committed(i, 64, k, True)
+        policy.committed(i, 64, k, True, 64)
         chosen.append(k)
     return chosen
 
@@ -231,7 +231,7 @@ def test_rows_without_drafts_count_in_the_expected_tokens() -> None:
     stats = SpecDecodingStats(0, 0, 0, [0])
     policy = AdaptiveSpec(1, stats, _Times({0: 1.0, 1: 1.0}))
     full = policy.expected_tokens(1) - 1  # the prior only: 0.6
-    policy.committed(0, 992, 1, True)  # 992 speculative rows, 496 of them with a draft
+    policy.committed(0, 992, 1, True, 992)  # 992 speculative rows, 496 of them with a draft
     stats.num_drafts, stats.num_accepted_tokens_per_pos = 496, [int(496 * 0.6)]
     assert policy.expected_tokens(1) - 1 == pytest.approx(full / 2, rel=0.01)
 

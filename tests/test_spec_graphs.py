@@ -169,7 +169,8 @@ class _Cycle:
         self.seen.add(self.n % len(self.CYCLE))
         return self.CYCLE[self.n % len(self.CYCLE)]
 
-    def committed(self, step: int, batch_size: int, k: int, decode_only: bool) -> None:
+    def committed(self, step: int, batch_size: int, k: int, decode_only: bool,
+                  tokens: int) -> None:
         pass
 
 

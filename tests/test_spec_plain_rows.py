@@ -37,7 +37,8 @@ class Flapping:
         self.choices.append(k)
         return k
 
-    def committed(self, step: int, batch_size: int, k: int, decode_only: bool) -> None:
+    def committed(self, step: int, batch_size: int, k: int, decode_only: bool,
+                  tokens: int) -> None:
         pass
 
 

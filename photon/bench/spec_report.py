@@ -94,10 +94,11 @@ class StepRecorder:
     def choose(self, batch_size: int) -> int:
         return self.k if self.inner is None else self.inner.choose(batch_size)
 
-    def committed(self, step: int, batch_size: int, k: int, decode_only: bool) -> None:
+    def committed(self, step: int, batch_size: int, k: int, decode_only: bool,
+                  tokens: int) -> None:
         self.commits.append(Commit(step, batch_size, k, decode_only, self.clock()))
         if self.inner is not None:
-            self.inner.committed(step, batch_size, k, decode_only)
+            self.inner.committed(step, batch_size, k, decode_only, tokens)
 
     def step_times(self, batch_size: int) -> dict[int, list[float]]:
         """Seconds between consecutive committed decode steps of `batch_size` rows, by K_eff."""

@@ -50,6 +50,7 @@ from photon.reasoning import ReasoningParser, get_reasoning_parser
 from photon.sampling_params import SamplingParams
 from photon.spec import grammar_drafter, sampling_rows
 from photon.spec.adaptive import AdaptiveSpec
+from photon.spec.guard import RealizedGuard
 from photon.spec.stats import SpecDecodingStats
 from photon.structured.manager import StructuredOutputManager
 from photon.structured.step import GrammarStep
@@ -134,7 +135,8 @@ class EngineCore:
         for module in config.lora_config.lora_modules if config.lora_config else ():
             self.check_lora(module)  # --lora-modules: a bad adapter stops the start
         if spec is not None and spec.adaptive:  # the adaptive switch: K_eff per step from a cost model
-            self.scheduler.spec_policy = AdaptiveSpec(spec.k, self.runner.spec.counters)
+            self.scheduler.spec_policy = AdaptiveSpec(spec.k, self.runner.spec.counters,
+                                                      guard=RealizedGuard())
         self._attach_kv_connector()
         ranked = self.runner.kv_connector
         step_runner = self.runner if self.workers is None else PlanBroadcast(

@@ -60,6 +60,7 @@ class SchedulerCommit:
         index, the grammars that took their stop token, as which of the row's tokens); return
         the requests that got a token or were finished."""
         touched: list[Request] = []
+        emitted = 0
         for row, req, toks in zip(step.plan.rows, step.requests, tokens):
             if row.sample:
                 req.num_pending -= 1
@@ -67,6 +68,7 @@ class SchedulerCommit:
                 if not req.finished and toks:
                     self._append_all(req, row, toks, grammar_ended.get(row.req_index, -1))
                     touched.append(req)
+                    emitted += len(toks)
             req.inflight_refs -= 1
             if req.status is RequestStatus.RUNNING:
                 self._after_commit(req, row.spec > 0)
@@ -74,7 +76,7 @@ class SchedulerCommit:
                 self._maybe_release(req)  # only preempted or finished requests release
         if self.spec_policy is not None and step.plan.rows:
             self.spec_policy.committed(step.plan.step, len(step.plan.rows), step.spec_k,
-                                       step.decode_step)
+                                       step.decode_step, emitted)
         return touched
 
     def _append_all(self, req: Request, row: ScheduledRow, toks: list[CommittedToken],

@@ -47,11 +47,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from photon.spec.guard import RealizedGuard
 from photon.spec.stats import SpecDecodingStats
 
 PRIOR_RUNS = 8  # pseudo draft runs of the acceptance prior
 PRIOR_ACCEPT = 0.6  # prior acceptance of each draft given the previous ones
 SWITCH_MARGIN = 0.1  # K_eff > 0 must beat the plain step's predicted rate by this fraction
+IDLE_CAP = 16  # a step counts at most this many predicted plain steps' time in the guard
 
 
 class StepCostModel(Protocol):
@@ -69,7 +71,8 @@ class SpecPolicy(Protocol):
 
     def choose(self, batch_size: int) -> int: ...
 
-    def committed(self, step: int, batch_size: int, k: int, decode_only: bool) -> None: ...
+    def committed(self, step: int, batch_size: int, k: int, decode_only: bool,
+                  tokens: int) -> None: ...
 
 
 def bucket(batch_size: int) -> int:
@@ -127,6 +130,7 @@ class AdaptiveSpec:
     cost: StepCostModel = field(default_factory=MeasuredCostModel)
     clock: Callable[[], float] = time.perf_counter
     margin: float = SWITCH_MARGIN
+    guard: RealizedGuard | None = None  # vetoes speculation where it has not paid
     _last_commit: tuple[int, int, float] | None = None  # (step, K_eff, time) of the last commit
     _spec_rows: int = 0  # rows of committed steps that verified drafts (K_eff > 0)
 
@@ -147,6 +151,8 @@ class AdaptiveSpec:
         while the switch chooses it."""
         if not self.cost.knows_plain_step():
             return 0
+        if self.guard is not None and not self.guard.allows(bucket(batch_size)):
+            return 0
         best, best_rate = 0, (1 + self.margin) / self.cost.step_time(batch_size, 0)
         for k in range(1, self.k + 1):
             rate = self.expected_tokens(k) / self.cost.step_time(batch_size, k)
@@ -154,13 +160,20 @@ class AdaptiveSpec:
                 best, best_rate = k, rate
         return best
 
-    def committed(self, step: int, batch_size: int, k: int, decode_only: bool) -> None:
-        """Step `step` committed: the time since the previous step's commit is its step time
-        (the loop commits one step per step time when busy), measured when that step was a
-        decode step of the same K_eff."""
+    def committed(self, step: int, batch_size: int, k: int, decode_only: bool,
+                  tokens: int) -> None:
+        """Step `step` committed `tokens` output tokens: the time since the previous step's
+        commit is its step time (the loop commits one step per step time when busy), measured
+        by the cost model when that step was a decode step of the same K_eff, by the guard
+        for every step."""
         now = self.clock()
         last, self._last_commit = self._last_commit, (step, k, now)
         if k > 0:
             self._spec_rows += batch_size
-        if decode_only and last is not None and last[:2] == (step - 1, k):
+        if last is None or last[0] != step - 1:
+            return
+        if decode_only and last[1] == k:
             self.cost.observe(batch_size, k, now - last[2])
+        if self.guard is not None:
+            cap = IDLE_CAP * self.cost.step_time(batch_size, 0)
+            self.guard.observe(bucket(batch_size), tokens, min(now - last[2], cap))

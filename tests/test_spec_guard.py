@@ -1,0 +1,118 @@
+"""The adaptive switch's realized-rate guard (photon.spec.guard): per batch-size bucket, a window
+of plain steps, a window with speculation allowed, then the verdict held (longer while it
+repeats); every committed step counts, mixed ones included."""
+
+from __future__ import annotations
+
+from photon.spec.adaptive import AdaptiveSpec
+from photon.spec.guard import Phase, RealizedGuard
+from photon.spec.stats import SpecDecodingStats
+
+
+def _feed(guard: RealizedGuard, bucket: int, steps: int, tokens: int, seconds: float) -> None:
+    for _ in range(steps):
+        guard.observe(bucket, tokens, seconds)
+
+
+def test_a_new_bucket_measures_plain_steps_then_allows_speculation() -> None:
+    guard = RealizedGuard(window=4, first_hold=8)
+    assert not guard.allows(64) and guard.verdict(64) is None
+    _feed(guard, 64, 4, 64, 1.0)  # the plain window
+    assert guard.allows(64) and guard.verdict(64) is None  # the speculating window
+    assert not guard.allows(16)  # buckets are independent
+
+
+def test_the_verdict_follows_the_realized_rates_and_skips_steps_in_flight() -> None:
+    guard = RealizedGuard(window=4, first_hold=8, in_flight=1)
+    _feed(guard, 64, 4, 64, 1.0)  # plain: 64 tokens/s
+    # the first commit after the switch is a step planned plain: not counted (else 1e9 tok/s)
+    guard.observe(64, 10**9, 1.0)
+    _feed(guard, 64, 4, 128, 3.0)  # speculating: 43 tokens/s (mixed steps cost it)
+    assert guard.verdict(64) is False and not guard.allows(64)
+    guard2 = RealizedGuard(window=4, first_hold=8, in_flight=1)
+    _feed(guard2, 64, 4, 64, 1.0)
+    guard2.observe(64, 0, 1.0)
+    _feed(guard2, 64, 4, 128, 1.5)  # 85 tokens/s
+    assert guard2.verdict(64) is True and guard2.allows(64)
+
+
+def test_the_hold_doubles_while_the_verdict_repeats_and_resets_when_it_changes() -> None:
+    guard = RealizedGuard(window=2, first_hold=4, max_hold=16, in_flight=0)
+    holds = []
+    for spec_seconds in (3.0, 3.0, 3.0, 3.0, 0.5):  # four vetoes, then speculation pays
+        _feed(guard, 8, 2, 8, 1.0)  # PLAIN
+        _feed(guard, 8, 2, 8, spec_seconds)  # SPEC
+        state = guard._buckets[8]
+        assert state.phase is Phase.HOLD
+        holds.append((state.allow, state.hold))
+        _feed(guard, 8, state.hold, 8, 1.0)
+        assert state.phase is Phase.PLAIN  # measured again after the hold
+    assert holds == [(False, 4), (False, 8), (False, 16), (False, 16), (True, 4)]
+
+
+class _Cheap:
+    """Full decode steps: speculating at K = 1 costs what a plain step costs (the cost model
+    sees a clear win)."""
+
+    def step_time(self, batch_size: int, k: int) -> float:
+        return 1.0
+
+    def knows_plain_step(self) -> bool:
+        return True
+
+    def observe(self, batch_size: int, k: int, seconds: float) -> None:
+        pass
+
+
+def _drive(policy: AdaptiveSpec, steps: int, spec_mixed_seconds: float) -> list[int]:
+    """64-row steps on a simulated clock: every 4th step is a mixed step (K_eff 0, 64 tokens),
+    which costs 1 s plain and `spec_mixed_seconds` while the switch speculates (its proposals
+    and the refills its staggered finishes bring: no decode step shows them); a decode step
+    costs 1 s and emits 64 tokens plain, 64 * E'(1) at K_eff = 1 (every row drafts, half the
+    drafts are accepted)."""
+    now, stats = [0.0], policy.acceptance
+    policy.clock = lambda: now[0]
+    chosen = []
+    speculating = False
+    for i in range(steps):
+        k = policy.choose(64)
+        mixed = i % 4 == 3
+        speculating = k > 0 or (speculating and mixed)
+        if mixed:
+            now[0] += spec_mixed_seconds if speculating else 1.0
+            policy.committed(i, 64, 0, False, 64)
+        else:
+            now[0] += 1.0
+            if k:
+                stats.num_drafts += 64
+                stats.num_accepted_tokens_per_pos[0] += 32
+            policy.committed(i, 64, k, True, round(64 * policy.expected_tokens(k)))
+        chosen.append(0 if mixed else k)
+    return chosen
+
+
+def _stats() -> SpecDecodingStats:
+    return SpecDecodingStats(1000, 1000, 500, [500])  # E(1) = 1.5
+
+
+def test_the_guard_vetoes_speculation_whose_mixed_steps_cost_more_than_it_gains() -> None:
+    """Decode steps gain 1.5x speculating; mixed steps cost 4x while it speculates: per 4 steps
+    plain emits 256 tokens in 4 s, speculating 352 in 7 s. The cost model alone speculates on
+    every decode step; with the guard the switch stops after its probe and stays off (but for
+    one more probe)."""
+    alone = _drive(AdaptiveSpec(1, _stats(), _Cheap()), 800, spec_mixed_seconds=4.0)
+    assert sum(k > 0 for k in alone) == 600  # every decode step
+    guarded = _drive(AdaptiveSpec(1, _stats(), _Cheap(), guard=RealizedGuard()), 800,
+                     spec_mixed_seconds=4.0)
+    assert sum(k > 0 for k in guarded) < 100
+    assert set(guarded[100:300]) == {0}  # the held veto
+
+
+def test_the_guard_keeps_speculation_that_pays() -> None:
+    """The same decode steps with mixed steps costing 1.5 s speculating: 352 tokens in 4.5 s
+    against 256 in 4 s. The switch speculates on all but the probes' plain steps."""
+    guarded = _drive(AdaptiveSpec(1, _stats(), _Cheap(), guard=RealizedGuard()), 800,
+                     spec_mixed_seconds=1.5)
+    decode = [k for i, k in enumerate(guarded) if i % 4 != 3]
+    assert sum(k == 0 for k in decode) < 100  # two plain windows of 48 steps, at most
+    assert set(guarded[100:300]) == {1} | {0} and guarded[100:300].count(1) == 150
