@@ -149,6 +149,11 @@ def test_matrix_and_speculative_configs() -> None:
     assert SpecSetting("draft_model", 3, True).speculative_config("d") == {
         "method": "draft_model", "num_speculative_tokens": 3, "adaptive": True, "model": "d"}
     assert "model" not in SpecSetting("ngram", 1).speculative_config("d")
+    lookup = settings(["ngram", "draft_model"], [2], [], lookup=(2, 4))
+    assert lookup[1].speculative_config("d") == {
+        "method": "ngram", "num_speculative_tokens": 2, "adaptive": False,
+        "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert "prompt_lookup_min" not in lookup[2].speculative_config("d")  # draft_model
 
 
 @pytest.fixture(scope="module")
@@ -195,11 +200,13 @@ def test_cli_small_matrix(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
                  "--num-speculative-tokens", *map(str, KS), "--adaptive-num-speculative-tokens", "2",
                  "--input-len", "16", "--requests-per-slot", "2", "--min-requests", "1",
                  "--output-len", str(OUTPUT_LEN), "--warmup-tokens", "2", "--no-paired",
+                 "--prompt-lookup-min", "2", "--prompt-lookup-max", "4",
                  "--output-json", str(out_json)])
     out, err = capsys.readouterr()
     assert code == 0, err
     summary = json.loads(out.strip().splitlines()[-1])
     assert json.loads(out_json.read_text()) == summary
+    assert (summary["prompt_lookup_min"], summary["prompt_lookup_max"]) == (2, 4)
     assert summary["complete"] is True and summary["errors"] == []
     assert "method" in out and "per-position acceptance" in out  # the table
     assert "full steps" in out
@@ -301,6 +308,9 @@ def test_cli_refuses_a_speculative_config(capsys: pytest.CaptureFixture[str]) ->
     assert "above 1 only with --paired" in capsys.readouterr().err
     assert main(["bench", "spec", "--device", "cpu", "--min-requests", "0"]) != 0
     assert "--min-requests must be at least 1, got 0" in capsys.readouterr().err
+    assert main(["bench", "spec", "--device", "cpu", "--prompt-lookup-min", "3",
+                 "--prompt-lookup-max", "2"]) != 0
+    assert "prompt_lookup_min=3 must be <= prompt_lookup_max=2" in capsys.readouterr().err
 
 
 def test_a_failing_setting_is_reported_and_the_others_run(capsys: pytest.CaptureFixture[str],

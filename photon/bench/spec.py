@@ -88,6 +88,12 @@ def add_parser(bench_sub: Any) -> None:
     g.add_argument("--adaptive-num-speculative-tokens", type=int, nargs="*", default=None,
                    metavar="K", help="K values with the adaptive switch on (default: those of "
                                      "--num-speculative-tokens; none: no such cells).")
+    g.add_argument("--prompt-lookup-min", type=int, default=None, metavar="N",
+                   help="The ngram cells' prompt_lookup_min (default: the engine's, 5, or "
+                        "--prompt-lookup-max when only that is given).")
+    g.add_argument("--prompt-lookup-max", type=int, default=None, metavar="M",
+                   help="The ngram cells' prompt_lookup_max (default: the engine's, 5, or "
+                        "--prompt-lookup-min when only that is given).")
     g.add_argument("--data", default=None, metavar="DIR",
                    help="A `python -m photon.train prepare` directory: prompts are windows of "
                         "its held-out code (default: random token ids).")
@@ -146,12 +152,24 @@ def _methods(ns: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(methods))
 
 
+def _lookup(ns: argparse.Namespace) -> tuple[int, int]:
+    """The ngram cells' (prompt_lookup_min, prompt_lookup_max), checked and defaulted by the
+    engine's own speculative config."""
+    from photon.spec.config import SpeculativeConfig
+
+    config = SpeculativeConfig("ngram", 1, prompt_lookup_min=ns.prompt_lookup_min,
+                               prompt_lookup_max=ns.prompt_lookup_max)
+    assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+    return config.prompt_lookup_min, config.prompt_lookup_max
+
+
 def _check_args(ns: argparse.Namespace) -> None:
     if ns.speculative_config is not None:
         raise ValueError("--speculative-config is set by the benchmark per cell; use --methods, "
                          "--num-speculative-tokens, --draft and --adaptive")
     if ns.adaptive_num_speculative_tokens is None:
         ns.adaptive_num_speculative_tokens = list(ns.num_speculative_tokens)
+    _lookup(ns)  # the engine's own checks of the prompt-lookup bounds
     for flag, values in (("--batch-sizes", ns.batch_sizes),
                          ("--num-speculative-tokens", ns.num_speculative_tokens),
                          ("--adaptive-num-speculative-tokens",
@@ -184,7 +202,8 @@ def run_spec(ns: argparse.Namespace) -> int:
 
     _check_args(ns)
     matrix = settings(_methods(ns), sorted(set(ns.num_speculative_tokens)),
-                      sorted(set(ns.adaptive_num_speculative_tokens)), ns.control)
+                      sorted(set(ns.adaptive_num_speculative_tokens)), ns.control,
+                      _lookup(ns))
     batch_sizes = sorted(set(ns.batch_sizes))
     cells: list[Cell] = []
     errors: list[dict[str, str]] = []
@@ -228,6 +247,7 @@ def _summary_line(ns: argparse.Namespace, args: Any, source: str, cells: list[Ce
                "num_speculative_tokens": sorted(set(ns.num_speculative_tokens)),
                "adaptive_num_speculative_tokens": sorted(set(ns.adaptive_num_speculative_tokens)),
                "methods": _methods(ns), **gpu_info(args.device), "errors": errors,
+               **dict(zip(("prompt_lookup_min", "prompt_lookup_max"), _lookup(ns))),
                "cells": [dataclasses.asdict(c) for c in cells]}
     line = json.dumps(summary)
     if ns.output_json:

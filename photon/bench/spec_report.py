@@ -44,6 +44,7 @@ class SpecSetting:
     method: str
     k: int = 0
     adaptive: bool = False
+    lookup: tuple[int, int] | None = None  # ngram: (prompt_lookup_min, prompt_lookup_max)
 
     @property
     def label(self) -> str:
@@ -58,16 +59,21 @@ class SpecSetting:
                                   "adaptive": self.adaptive}
         if self.method == "draft_model":
             config["model"] = draft
+        if self.method == "ngram" and self.lookup is not None:
+            config["prompt_lookup_min"], config["prompt_lookup_max"] = self.lookup
         return config
 
 
-def settings(methods: Sequence[str], fixed_ks: Sequence[int],
-             adaptive_ks: Sequence[int], control: bool = False) -> list[SpecSetting]:
+def settings(methods: Sequence[str], fixed_ks: Sequence[int], adaptive_ks: Sequence[int],
+             control: bool = False, lookup: tuple[int, int] | None = None
+             ) -> list[SpecSetting]:
     """The matrix: no speculation first (then its control twin when asked), then per method
-    each K with the adaptive switch off (`fixed_ks`) and on (`adaptive_ks`)."""
+    each K with the adaptive switch off (`fixed_ks`) and on (`adaptive_ks`); `lookup`: the
+    ngram settings' (prompt_lookup_min, prompt_lookup_max)."""
     ks = sorted(set(fixed_ks) | set(adaptive_ks))
     head = [SpecSetting(NO_SPEC)] + ([SpecSetting(CONTROL)] if control else [])
-    return head + [SpecSetting(m, k, a) for m in methods for k in ks
+    return head + [SpecSetting(m, k, a, lookup if m == "ngram" else None)
+                   for m in methods for k in ks
                                      for a in (False, True)
                                      if k in (adaptive_ks if a else fixed_ks)]
 
