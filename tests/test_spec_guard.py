@@ -19,7 +19,10 @@ def test_a_new_bucket_measures_plain_steps_then_allows_speculation() -> None:
     assert not guard.allows(64) and guard.verdict(64) is None
     _feed(guard, 64, 4, 64, 1.0)  # the plain window
     assert guard.allows(64) and guard.verdict(64) is None  # the speculating window
-    assert not guard.allows(16)  # buckets are independent
+    _feed(guard, 16, 1, 16, 1.0)
+    assert not guard.allows(16)  # buckets are independent: 16 measures its plain steps
+    # asked about 256 requests whose steps run in bucket 64 (a full KV cache): 64 decides
+    assert guard.allows(256) and not guard.allows(8)
 
 
 def test_the_verdict_follows_the_realized_rates_and_skips_steps_in_flight() -> None:

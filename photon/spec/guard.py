@@ -67,9 +67,14 @@ class RealizedGuard:
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     def allows(self, bucket: int) -> bool:
-        """Whether the steps of `bucket` may speculate now (a new bucket: not yet, it measures
-        its plain steps first)."""
+        """Whether the steps of `bucket` may speculate now. A bucket none of whose steps has
+        committed takes the nearest measured bucket's state (the switch may be asked about more
+        requests than the KV cache lets run: those steps' own bucket then decides), and none
+        measured yet means not yet: plain steps are measured first."""
         state = self._buckets.get(bucket)
+        if state is None and self._buckets:
+            near = min(self._buckets, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+            state = self._buckets[near]
         return state is not None and _allowing(state)
 
     def verdict(self, bucket: int) -> bool | None:
