@@ -41,8 +41,8 @@ def test_the_verdict_follows_the_realized_rates_and_skips_steps_in_flight() -> N
 
 def test_the_hold_doubles_while_the_verdict_repeats_and_resets_when_it_changes() -> None:
     guard = RealizedGuard(window=2, first_hold=4, max_hold=16, in_flight=0)
-    holds = []
-    for spec_seconds in (3.0, 3.0, 3.0, 3.0, 0.5):  # four vetoes, then speculation pays
+    holds = []  # narrow verdicts (10%)
+    for spec_seconds in (1.1, 1.1, 1.1, 1.1, 0.9):  # four vetoes, then speculation pays
         _feed(guard, 8, 2, 8, 1.0)  # PLAIN
         _feed(guard, 8, 2, 8, spec_seconds)  # SPEC
         state = guard._buckets[8]
@@ -51,6 +51,10 @@ def test_the_hold_doubles_while_the_verdict_repeats_and_resets_when_it_changes()
         _feed(guard, 8, state.hold, 8, 1.0)
         assert state.phase is Phase.PLAIN  # measured again after the hold
     assert holds == [(False, 4), (False, 8), (False, 16), (False, 16), (True, 4)]
+    # a clear verdict (here 2x) holds the longest at once
+    _feed(guard, 8, 2, 8, 1.0)
+    _feed(guard, 8, 2, 8, 0.5)
+    assert (guard._buckets[8].allow, guard._buckets[8].hold) == (True, 16)
 
 
 class _Cheap:

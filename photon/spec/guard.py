@@ -17,7 +17,8 @@ counting every committed step of the bucket (decode, partial and mixed alike): i
 tokens and the time since the previous step's commit. The verdict allows speculation when the
 SPEC window's output tokens per second beat the PLAIN window's. The hold doubles while the
 verdict repeats, up to `max_hold`, so a settled bucket spends little time in the regime that
-loses. After a change of regime (speculation allowed or not) the next `in_flight` commits
+loses; a verdict won by more than `clear` (25%) holds `max_hold` at once (at B = 1 speculation
+may double the rate: each plain probe then costs half its steps' tokens). After a change of regime (speculation allowed or not) the next `in_flight` commits
 belong to steps planned under the one before (the pipeline plans ahead): they are not counted.
 The caller caps each step's seconds (an idle engine between two steps is no step's cost).
 """
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 WINDOW = 48  # committed steps per measured window
 HOLD = 256  # steps a first verdict holds before both regimes are measured again
 MAX_HOLD = 4096
+CLEAR = 0.25  # a regime this much faster than the other holds its verdict `max_hold` steps
 
 
 class Phase(enum.Enum):
@@ -64,6 +66,7 @@ class RealizedGuard:
     window: int = WINDOW
     first_hold: int = HOLD
     max_hold: int = MAX_HOLD
+    clear: float = CLEAR
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     def allows(self, bucket: int) -> bool:
@@ -103,9 +106,13 @@ class RealizedGuard:
                 self._decide(state)
 
     def _decide(self, state: _Bucket) -> None:
-        allow = state.spec.rate() > state.plain.rate()
+        spec, plain = state.spec.rate(), state.plain.rate()
+        allow = spec > plain
         repeat = state.hold and allow == state.allow
-        state.hold = min(2 * state.hold, self.max_hold) if repeat else self.first_hold
+        if max(spec, plain) > (1 + self.clear) * min(spec, plain):
+            state.hold = self.max_hold  # a clear verdict: probing the loser costs more
+        else:
+            state.hold = min(2 * state.hold, self.max_hold) if repeat else self.first_hold
         state.allow = allow
         self._enter(state, Phase.HOLD)
 
