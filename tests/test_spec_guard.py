@@ -4,6 +4,9 @@ repeats); every committed step counts, mixed ones included."""
 
 from __future__ import annotations
 
+import pytest
+
+from photon import SamplingParams
 from photon.spec.adaptive import AdaptiveSpec
 from photon.spec.guard import Phase, RealizedGuard
 from photon.spec.stats import SpecDecodingStats
@@ -123,3 +126,36 @@ def test_the_guard_keeps_speculation_that_pays() -> None:
     decode = [k for i, k in enumerate(guarded) if i % 4 != 3]
     assert sum(k == 0 for k in decode) < 100  # two plain windows of 48 steps, at most
     assert set(guarded[100:300]) == {1} | {0} and guarded[100:300].count(1) == 150
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_an_engine_speculates_after_its_plain_window_with_the_tokens_of_none(
+        pipelined: bool) -> None:
+    """A speculative engine (ngram, a cost model that always favours speculating) with the
+    guard: the first 48 committed steps of its bucket are plain, the plan after the 48th
+    commit (plan(t + 2) follows commit(t)) may speculate, and the greedy tokens are those of
+    the engine without speculation, pipelined and blocking alike."""
+    from tests.test_spec_adaptive import ExpensiveFrom
+    from tests.test_spec_engine import _llm, _prompts
+
+    params = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
+    prompt = _prompts(0)[0]
+    llm = _llm(pipelined, 3)
+    sched = llm.engine.scheduler
+    policy = AdaptiveSpec(3, llm.engine.runner.spec.counters, ExpensiveFrom(1 << 30),
+                          guard=RealizedGuard())
+    choices: list[int] = []
+    choose = policy.choose
+
+    def record(batch_size: int) -> int:
+        choices.append(choose(batch_size))
+        return choices[-1]
+
+    policy.choose = record  # type: ignore[method-assign]
+    sched.spec_policy = policy
+    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    want = _llm(pipelined).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    first = next(i for i, k in enumerate(choices) if k)
+    assert first == 50 and set(choices[:first]) == {0}
+    assert llm.engine.runner.spec.counters.num_drafts > 0
