@@ -146,13 +146,13 @@ def test_a_step_with_speculation_off_is_the_plain_step() -> None:
 
 def _kinds(audit: Audit, choices: list[int]) -> Counter:
     """Rows of requests after their first sampling row, by (speculative, the plan's K_eff > 0);
-    every speculative row verifies its plan's K_eff: the switch's choice, or 0 in a step that
-    may carry a prompt chunk."""
+    every speculative row verifies its plan's K_eff, the switch's choice (also beside a prompt
+    chunk)."""
     seen: set[str] = set()
     kinds: Counter = Counter()
     for rows, specs, k, choice in zip(audit.schedule, audit.row_spec, audit.spec_k, choices,
                                       strict=True):
-        assert k in (0, choice)
+        assert k == choice
         for (rid, _, _, sample), s in zip(rows, specs):
             assert s is None or s == k
             if rid in seen:

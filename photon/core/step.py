@@ -87,8 +87,7 @@ class StepPlan:
     num_tokens: int = 0
     lora_loads: list[LoRALoad] = field(default_factory=list)  # before the forward runs
     # The runner proposes the next drafts of the step's speculative requests after sampling (the
-    # switch chose K_eff > 0, also for a step that verifies none because it carries a prompt
-    # chunk); False: they have none until a later step proposes.
+    # step's K_eff > 0); False: they have none until a later step proposes.
     propose: bool = False
     # The KV connector's loads and saves to start (disaggregation; None without a connector)
     kv_connector_metadata: KVConnectorMetadata | None = None

@@ -184,11 +184,9 @@ class Scheduler(SchedulerCommit):
         self._released = []
         budget = self.config.max_num_batched_tokens
         running = RequestStatus.RUNNING
-        k_choice = self._spec_width()
-        k_eff = 0 if k_choice and self.spec_policy is not None and self._prefill_ahead() \
-            else k_choice
+        k_eff = self._spec_width()
         out.spec_k = k_eff
-        out.plan.propose = k_choice > 0
+        out.plan.propose = k_eff > 0
         lookahead = self._lookahead(out)
         finishing = 0  # running requests with every output sampled: they end at its commit
         for req in list(self.running):  # a copy: preemption edits the list
@@ -240,22 +238,6 @@ class Scheduler(SchedulerCommit):
             return self.spec_k
         batch = min(len(self.running) + len(self.waiting), self.max_running)
         return min(self.spec_k, self.spec_policy.choose(batch))
-
-    def _prefill_ahead(self) -> bool:
-        """Whether this step may carry a prompt chunk: a waiting request it may admit, or a
-        running one still computing its prompt (or a preempted one's recompute). With the
-        adaptive switch such a mixed step verifies no drafts (its speculative requests run one-
-        position rows and still propose): it runs eagerly, where K + 1 positions per row cost
-        their full share, and its time is no decode step's the cost model knows."""
-        if self.waiting and (len(self.running) < self.max_running
-                             or len(self.running) - self._num_finishing() < self.max_running):
-            return True
-        return any(not r.spec_live and r.num_known_tokens - r.num_computed_tokens > 1
-                   for r in self.running)
-
-    def _num_finishing(self) -> int:
-        """Running requests with every output sampled (see `_admit_waiting`)."""
-        return sum(len(r.output_token_ids) + r.num_pending >= r.max_tokens for r in self.running)
 
     def _plan_spec_row(self, req: Request, budget: int, out: SchedulerOutput, k: int) -> int:
         """A speculative row verifying `k` drafts for `req` if the budget and the KV cache

@@ -3,8 +3,8 @@ actually paid, measured over every committed step.
 
 The cost model (photon.spec.adaptive) rates full decode steps. A speculating batch has costs
 such steps leave out: its requests finish on different steps, so their successors' prompts
-arrive one by one in mixed steps (which run no speculative graph and also propose for the next
-step), the batch runs partial steps more often, and the first step after a switch verifies
+arrive one by one in mixed steps (outside the speculative graphs: piecewise graphs and eager
+attention), the batch runs partial steps more often, and the first step after a switch verifies
 nothing. Where the cost model's gain is narrower than those costs the switch loses while
 predicting a win. The guard measures the outcome instead of modelling it: for each bucket it
 alternates
