@@ -41,23 +41,24 @@ class FakeClock:
 
 
 def test_step_recorder_times_consecutive_decode_steps_by_k() -> None:
-    rec = StepRecorder(k=2, clock=FakeClock([0.0, 1.0, 1.5, 2.5, 2.75, 5.0, 5.5, 6.0]))
-    rec.committed(0, 4, 0, False, 4)  # prefill
+    rec = StepRecorder(k=2, clock=FakeClock([0.0, 1.0, 1.5, 2.5, 2.75, 3.75, 5.0, 5.5, 6.0]))
+    rec.committed(0, 4, 2, False, 4)  # prefill
     rec.committed(1, 4, 2, True, 4)  # 1.0 (after a prefill step: still a decode step)
     rec.committed(2, 4, 2, True, 4)  # 0.5
-    rec.committed(3, 4, 1, True, 4)  # 1.0 at K_eff 1
-    rec.committed(4, 3, 2, True, 3)  # a smaller batch: not B = 4
-    rec.committed(6, 4, 2, True, 4)  # not consecutive (step 5 missing)
-    rec.committed(7, 4, 2, True, 4)  # 0.5
-    assert rec.step_times(4) == {2: [1.0, 0.5, 0.5], 1: [1.0]}
+    rec.committed(3, 4, 1, True, 4)  # right after a change of K_eff: not timed
+    rec.committed(4, 4, 1, True, 4)  # 0.25 at K_eff 1
+    rec.committed(5, 3, 1, True, 3)  # a smaller batch: not B = 4
+    rec.committed(7, 4, 2, True, 4)  # not consecutive (step 6 missing)
+    rec.committed(8, 4, 2, True, 4)  # 0.5
+    assert rec.step_times(4) == {2: [1.0, 0.5, 0.5], 1: [0.25]}
     assert rec.choose(4) == 2  # fixed K without the engine's policy
-    # every step after the first, by kind: full 1.0 + 0.5 + 1.0 + 0.5 (and step 6's 2.25),
-    # partial 0.25 (3 rows)
+    # every step after the first, by kind: full 1.0 + 0.5 + 1.0 + 0.25 + 1.25 + 0.5, partial
+    # 1.0 (3 rows)
     seconds, counts = rec.time_by_kind(4)
-    assert seconds == {"full": 5.25, "partial": 0.25, "mixed": 0.0}
-    assert counts == {"full": 5, "partial": 1, "mixed": 0}
-    rec.committed(8, 4, 0, False, 4)  # a prompt chunk beside decode rows
-    assert rec.time_by_kind(4)[1] == {"full": 5, "partial": 1, "mixed": 1}
+    assert seconds == {"full": 4.5, "partial": 1.0, "mixed": 0.0}
+    assert counts == {"full": 6, "partial": 1, "mixed": 0}
+    rec.committed(9, 4, 2, False, 4)  # a prompt chunk beside decode rows
+    assert rec.time_by_kind(4)[1] == {"full": 6, "partial": 1, "mixed": 1}
     cell = _cell("ngram", 2, False, 10.0, {2: 0.5})
     assert full_step_share(cell) is None  # steps not recorded
     cell.step_kind_s = {"full": 2.5, "partial": 1.0, "mixed": 1.0}

@@ -107,10 +107,14 @@ class StepRecorder:
             self.inner.committed(step, batch_size, k, decode_only, tokens)
 
     def step_times(self, batch_size: int) -> dict[int, list[float]]:
-        """Seconds between consecutive committed decode steps of `batch_size` rows, by K_eff."""
+        """Seconds between consecutive committed decode steps of `batch_size` rows, by K_eff; as
+        the engine's cost model, not a step right after a change of K_eff (the first after
+        switching on verifies nothing, the first after switching off still has speculative
+        rows)."""
         out: dict[int, list[float]] = {}
         for prev, cur in zip(self.commits, self.commits[1:]):
-            if cur.decode_only and cur.batch_size == batch_size and prev.step == cur.step - 1:
+            if (cur.decode_only and cur.batch_size == batch_size and prev.step == cur.step - 1
+                    and prev.k == cur.k):
                 out.setdefault(cur.k, []).append(cur.time - prev.time)
         return out
 
