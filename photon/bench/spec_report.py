@@ -73,9 +73,8 @@ def settings(methods: Sequence[str], fixed_ks: Sequence[int], adaptive_ks: Seque
     ks = sorted(set(fixed_ks) | set(adaptive_ks))
     head = [SpecSetting(NO_SPEC)] + ([SpecSetting(CONTROL)] if control else [])
     return head + [SpecSetting(m, k, a, lookup if m == "ngram" else None)
-                   for m in methods for k in ks
-                                     for a in (False, True)
-                                     if k in (adaptive_ks if a else fixed_ks)]
+                   for m in methods for k in ks for a in (False, True)
+                   if k in (adaptive_ks if a else fixed_ks)]
 
 
 @dataclass(frozen=True)

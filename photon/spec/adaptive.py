@@ -9,14 +9,15 @@ second,
 where a_j is the share of draft runs whose draft j was accepted (the engine's running
 per-position counts, `SpecDecodingStats`; prior pseudo-counts before any exist), p the share of
 the rows of steps verifying drafts that had drafts to verify (an ngram row without a match, a
-row right after the switch turned on, emits one token)
-and T(B, k) the step time a `StepCostModel` predicts for B rows verifying k drafts. K_eff = 0 is
-the plain decode step: the scheduler plans plain rows for the requests whose length the host
-knows. It
-speculates (K_eff > 0) only when the best rate beats the plain step's, 1 / T(B, 0), by more
-than `SWITCH_MARGIN`: a speculating batch has costs its decode-step times leave out (requests
-finish on different steps, so refills land in mixed steps beside speculative rows; the first
-step after a switch verifies nothing), so a K_eff the model rates about even with 0 loses.
+row right after the switch turned on, emits one token) and T(B, k) the step time a
+`StepCostModel` predicts for B rows verifying k drafts. K_eff = 0 is the plain decode step: the
+scheduler plans plain rows for the requests whose length the host knows. It speculates
+(K_eff > 0) only when the best rate beats the plain step's, 1 / T(B, 0), by more than
+`SWITCH_MARGIN`: a speculating batch has costs its decode-step times leave out (requests finish
+on different steps, so refills land in mixed steps beside speculative rows; the first step after
+a switch verifies nothing), so a K_eff the model rates about even with 0 loses. Where those
+costs outweigh a wider predicted gain, the engine's `RealizedGuard` (photon.spec.guard), which
+compares whole windows of committed steps with and without speculation, vetoes it.
 
 `MeasuredCostModel`, the default, keeps an online estimate of T per (batch-size bucket, k): the
 median of the last `window` times between consecutive committed decode steps of the same K_eff.

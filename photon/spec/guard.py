@@ -18,9 +18,10 @@ tokens and the time since the previous step's commit. The verdict allows specula
 SPEC window's output tokens per second beat the PLAIN window's. The hold doubles while the
 verdict repeats, up to `max_hold`, so a settled bucket spends little time in the regime that
 loses; a verdict won by more than `clear` (25%) holds `max_hold` at once (at B = 1 speculation
-may double the rate: each plain probe then costs half its steps' tokens). After a change of regime (speculation allowed or not) the next `in_flight` commits
-belong to steps planned under the one before (the pipeline plans ahead): they are not counted.
-The caller caps each step's seconds (an idle engine between two steps is no step's cost).
+may double the rate: each plain probe then costs half its steps' tokens). After a change of
+regime (speculation allowed or not) the next `in_flight` commits belong to steps planned under
+the one before (the pipeline plans ahead): they are not counted. The caller caps each step's
+seconds (an idle engine between two steps is no step's cost).
 """
 
 from __future__ import annotations
