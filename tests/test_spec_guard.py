@@ -138,7 +138,7 @@ def test_an_engine_speculates_after_its_plain_window_with_the_tokens_of_none(
     from tests.test_spec_adaptive import ExpensiveFrom
     from tests.test_spec_engine import _llm, _prompts
 
-    params = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     prompt = _prompts(0)[0]
     llm = _llm(pipelined, 3)
     sched = llm.engine.scheduler
