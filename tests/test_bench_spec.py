@@ -217,7 +217,11 @@ def test_cli_small_matrix(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
                                                                      (2, True))
         for b in BATCH_SIZES}
     assert set(cells) == want and len(summary["cells"]) == len(want)
-    for (method, k, _, b), c in cells.items():
+    for (method, k, adaptive, b), c in cells.items():
+        # the adaptive cells' guard verdicts by bucket (JSON keys are strings); none elsewhere
+        verdicts = c["guard_verdicts"]
+        assert (verdicts is None) != adaptive
+        assert not adaptive or (verdicts and set(verdicts.values()) <= {True, False, None})
         # 2 x B requests, B at a time: decode steps of exactly B rows were timed
         assert c["output_tokens"] == 2 * b * OUTPUT_LEN and c["output_tokens_per_s"] > 0
         assert c["step_time_s"]

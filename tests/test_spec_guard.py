@@ -35,6 +35,7 @@ def test_the_verdict_follows_the_realized_rates_and_skips_steps_in_flight() -> N
     guard.observe(64, 10**9, 1.0)
     _feed(guard, 64, 4, 128, 3.0)  # speculating: 43 tokens/s (mixed steps cost it)
     assert guard.verdict(64) is False and not guard.allows(64)
+    assert guard.verdicts() == {64: False}
     guard2 = RealizedGuard(window=4, first_hold=8, in_flight=1)
     _feed(guard2, 64, 4, 64, 1.0)
     guard2.observe(64, 0, 1.0)

@@ -410,6 +410,7 @@ def _run_cell(engine: _Engine, setting: SpecSetting, work: _Workload, b: int,
         if baseline is not None:
             base.append(baseline.timed(prompts, lengths, b))
     cell = cell_of(setting, b, runs)
+    cell.guard_verdicts = engine.recorder.guard_verdicts()
     if base:
         pair_cell(cell, runs, base)
     after = llm.engine.spec_stats()

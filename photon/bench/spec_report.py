@@ -105,6 +105,11 @@ class StepRecorder:
         if self.inner is not None:
             self.inner.committed(step, batch_size, k, decode_only, tokens)
 
+    def guard_verdicts(self) -> dict[int, bool | None] | None:
+        """The engine's guard's verdicts by bucket (None: no guard)."""
+        guard = getattr(self.inner, "guard", None)
+        return None if guard is None else guard.verdicts()
+
     def step_times(self, batch_size: int) -> dict[int, list[float]]:
         """Seconds between consecutive committed decode steps of `batch_size` rows, by K_eff; as
         the engine's cost model, not a step right after a change of K_eff (the first after
@@ -161,6 +166,9 @@ class Cell:
     # Paired: each timed call's speedup over the two baseline calls around it (--repeats of
     # them); the cell's speedup is their median.
     speedup_rounds: list[float] | None = None
+    # The adaptive switch's realized-rate guard after the cell, by batch-size bucket: True
+    # speculation allowed, False vetoed, None not yet decided (None: no guard).
+    guard_verdicts: dict[int, bool | None] | None = None
 
     @property
     def setting(self) -> SpecSetting:

@@ -86,6 +86,10 @@ class RealizedGuard:
         state = self._buckets.get(bucket)
         return None if state is None or state.hold == 0 else state.allow
 
+    def verdicts(self) -> dict[int, bool | None]:
+        """Every measured bucket's last verdict."""
+        return {b: self.verdict(b) for b in sorted(self._buckets)}
+
     def observe(self, bucket: int, tokens: int, seconds: float) -> None:
         """A committed step of `bucket`: its output tokens, the seconds it took."""
         state = self._buckets.setdefault(bucket, _Bucket())
