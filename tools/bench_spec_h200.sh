@@ -17,6 +17,7 @@
 #   REQUESTS_PER_SLOT [4]                      each cell runs N x B requests, B at a time
 #   MIN_REQUESTS [16]                          ... and at least this many
 #   BATCH_SIZES ["1 4 16 64 256"]
+#   PROMPT_LOOKUP_MIN, PROMPT_LOOKUP_MAX [unset] the ngram cells' lookup (unset: the engine's, 5)
 #   BUDGET_SECONDS [530]                       the whole run; each stage gets what is left
 #   BENCH_PAIR [unset]                         a directory holding photon-bench and
 #                                              photon-bench-draft: skip the training
@@ -33,14 +34,16 @@
 #
 # Time on an H200: `bench spec` (paired: each speculative cell also times the no-speculation
 # engine twice) took 303 s for the bench pair and 143 s for the committed pair with 4 requests at
-# B = 1 (16 since --min-requests: about a minute more); training takes its budgets plus ~40 s of
+# B = 1 and 4 (with 16, the default since --min-requests, the bench pair took about 370 s and the
+# committed pair did not finish in the 125 s left of a 500 s budget); training takes its budgets
+# plus ~40 s of
 # start-up, evaluation and agreement, and prepare ~40 s (tokenizer training and encoding of the
 # standard library). With the default budgets the whole run needs
 # more than one 10-minute slot: train first (BENCH_PAIR) or lower the budgets. A stage that
 # runs past the budget is stopped; the JSON of the finished stages stays (the bench pair first).
 set -uo pipefail
 
-[ $# -ge 1 ] || { sed -n '2,27p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,28p' "$0"; exit 2; }
 out="$1"
 data="${2:-$out/data}"
 mkdir -p "$out"
@@ -66,6 +69,8 @@ spec() {  # spec NAME ARGS...: photon bench spec on prompts of held-out code
     --output-len "${OUTPUT_LEN:-128}" --output-len-range-ratio "${OUTPUT_LEN_RANGE_RATIO:-0}" \
     --requests-per-slot "${REQUESTS_PER_SLOT:-4}" --min-requests "${MIN_REQUESTS:-16}" \
     --batch-sizes ${BATCH_SIZES:-1 4 16 64 256} \
+    ${PROMPT_LOOKUP_MIN:+--prompt-lookup-min "$PROMPT_LOOKUP_MIN"} \
+    ${PROMPT_LOOKUP_MAX:+--prompt-lookup-max "$PROMPT_LOOKUP_MAX"} \
     --output-json "$out/spec_$name.json" "$@"
 }
 
