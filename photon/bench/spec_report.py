@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from photon.bench.serve_workload import length_bounds
+from photon.spec.adaptive import timed_step
 
 NO_SPEC = "none"
 # A second no-speculation engine timed like a speculative one (`photon bench spec --control`):
@@ -111,14 +112,12 @@ class StepRecorder:
         return None if guard is None else guard.verdicts()
 
     def step_times(self, batch_size: int) -> dict[int, list[float]]:
-        """Seconds between consecutive committed decode steps of `batch_size` rows, by K_eff; as
-        the engine's cost model, not a step right after a change of K_eff (the first after
-        switching on verifies nothing, the first after switching off still has speculative
-        rows)."""
+        """Seconds between consecutive committed decode steps of `batch_size` rows, by K_eff:
+        the steps the engine's cost model times (`timed_step`)."""
         out: dict[int, list[float]] = {}
         for prev, cur in zip(self.commits, self.commits[1:]):
-            if (cur.decode_only and cur.batch_size == batch_size and prev.step == cur.step - 1
-                    and prev.k == cur.k):
+            if cur.batch_size == batch_size and timed_step(prev.step, prev.k, cur.step, cur.k,
+                                                           cur.decode_only):
                 out.setdefault(cur.k, []).append(cur.time - prev.time)
         return out
 

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from photon.spec.guard import RealizedGuard
+from photon.spec.guard import RealizedGuard, nearest_bucket
 from photon.spec.stats import SpecDecodingStats
 
 PRIOR_RUNS = 8  # pseudo draft runs of the acceptance prior
@@ -76,6 +76,14 @@ class SpecPolicy(Protocol):
                   tokens: int) -> None: ...
 
 
+def timed_step(prev_step: int, prev_k: int, step: int, k: int, decode_only: bool) -> bool:
+    """Whether the time between the commits of `prev_step` and `step` is a decode step time of
+    K_eff `k`: consecutive steps, a decode step, the same K_eff as the step before (the first
+    step after switching on verifies nothing, the first after switching off still has
+    speculative rows)."""
+    return decode_only and prev_step == step - 1 and prev_k == k
+
+
 def bucket(batch_size: int) -> int:
     """The power of two at or above `batch_size`: estimates are kept per bucket."""
     return 1 << max(0, batch_size - 1).bit_length()
@@ -97,15 +105,10 @@ class MeasuredCostModel:
     def _plain(self, b: int) -> float | None:
         """T(b, 0): measured, else the nearest bucket's measured plain step scaled by the
         prior (None before any plain step is measured)."""
-        got = self._measured.get((b, 0))
-        if got is not None:
-            return got
-        plain = [(abs(bb.bit_length() - b.bit_length()), bb, t)
-                 for (bb, k), t in self._measured.items() if k == 0]
-        if not plain:
+        near = nearest_bucket(b, [bb for bb, k in self._measured if k == 0])
+        if near is None:
             return None
-        _, bb, t = min(plain)
-        return t * self.prior(b, 0) / self.prior(bb, 0)
+        return self._measured[near, 0] * self.prior(b, 0) / self.prior(near, 0)
 
     def step_time(self, batch_size: int, k: int) -> float:
         b = bucket(batch_size)
@@ -173,7 +176,7 @@ class AdaptiveSpec:
             self._spec_rows += batch_size
         if last is None or last[0] != step - 1:
             return
-        if decode_only and last[1] == k:
+        if timed_step(last[0], last[1], step, k, decode_only):
             self.cost.observe(batch_size, k, now - last[2])
         if self.guard is not None:
             cap = IDLE_CAP * self.cost.step_time(batch_size, 0)

@@ -27,12 +27,20 @@ seconds (an idle engine between two steps is no step's cost).
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 WINDOW = 48  # committed steps per measured window
 HOLD = 256  # steps a first verdict holds before both regimes are measured again
 MAX_HOLD = 4096
 CLEAR = 0.25  # a regime this much faster than the other holds its verdict `max_hold` steps
+
+
+def nearest_bucket(bucket: int, buckets: Iterable[int]) -> int | None:
+    """The bucket of `buckets` nearest `bucket` in powers of two (ties: the smaller; None if
+    there is none)."""
+    return min(buckets, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b),
+               default=None)
 
 
 class Phase(enum.Enum):
@@ -75,11 +83,8 @@ class RealizedGuard:
         committed takes the nearest measured bucket's state (the switch may be asked about more
         requests than the KV cache lets run: those steps' own bucket then decides), and none
         measured yet means not yet: plain steps are measured first."""
-        state = self._buckets.get(bucket)
-        if state is None and self._buckets:
-            near = min(self._buckets, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
-            state = self._buckets[near]
-        return state is not None and _allowing(state)
+        near = bucket if bucket in self._buckets else nearest_bucket(bucket, self._buckets)
+        return near is not None and _allowing(self._buckets[near])
 
     def verdict(self, bucket: int) -> bool | None:
         """The bucket's last verdict (None before its first pair of windows)."""
