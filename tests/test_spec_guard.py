@@ -10,6 +10,7 @@ from photon import SamplingParams
 from photon.spec.adaptive import AdaptiveSpec
 from photon.spec.guard import Phase, RealizedGuard
 from photon.spec.stats import SpecDecodingStats
+from tests.test_spec_adaptive import ExpensiveFrom
 
 
 def _feed(guard: RealizedGuard, bucket: int, steps: int, tokens: int, seconds: float) -> None:
@@ -61,26 +62,12 @@ def test_the_hold_doubles_while_the_verdict_repeats_and_resets_when_it_changes()
     assert (guard._buckets[8].allow, guard._buckets[8].hold) == (True, 16)
 
 
-class _Cheap:
-    """Full decode steps: speculating at K = 1 costs what a plain step costs (the cost model
-    sees a clear win)."""
-
-    def step_time(self, batch_size: int, k: int) -> float:
-        return 1.0
-
-    def knows_plain_step(self) -> bool:
-        return True
-
-    def observe(self, batch_size: int, k: int, seconds: float) -> None:
-        pass
-
-
 def _drive(policy: AdaptiveSpec, steps: int, spec_mixed_seconds: float) -> list[int]:
-    """64-row steps on a simulated clock: every 4th step is a mixed step (K_eff 0, 64 tokens),
-    which costs 1 s plain and `spec_mixed_seconds` while the switch speculates (its proposals
-    and the refills its staggered finishes bring: no decode step shows them); a decode step
-    costs 1 s and emits 64 tokens plain, 64 * E'(1) at K_eff = 1 (every row drafts, half the
-    drafts are accepted)."""
+    """64-row steps on a simulated clock (the cost model, `ExpensiveFrom(1 << 30)`, favours
+    speculating on every decode step): every 4th step is a mixed step of 64 tokens, which costs
+    1 s plain and `spec_mixed_seconds` while the switch speculates (the refills its staggered
+    finishes bring: no decode step shows them); a decode step costs 1 s and emits 64 tokens
+    plain, 64 * E'(1) at K_eff = 1 (every row drafts, half the drafts are accepted)."""
     now, stats = [0.0], policy.acceptance
     policy.clock = lambda: now[0]
     chosen = []
@@ -111,9 +98,9 @@ def test_the_guard_vetoes_speculation_whose_mixed_steps_cost_more_than_it_gains(
     plain emits 256 tokens in 4 s, speculating 352 in 7 s. The cost model alone speculates on
     every decode step; with the guard the switch stops after its probe and stays off (but for
     one more probe)."""
-    alone = _drive(AdaptiveSpec(1, _stats(), _Cheap()), 800, spec_mixed_seconds=4.0)
+    alone = _drive(AdaptiveSpec(1, _stats(), ExpensiveFrom(1 << 30)), 800, spec_mixed_seconds=4.0)
     assert sum(k > 0 for k in alone) == 600  # every decode step
-    guarded = _drive(AdaptiveSpec(1, _stats(), _Cheap(), guard=RealizedGuard()), 800,
+    guarded = _drive(AdaptiveSpec(1, _stats(), ExpensiveFrom(1 << 30), guard=RealizedGuard()), 800,
                      spec_mixed_seconds=4.0)
     assert sum(k > 0 for k in guarded) < 100
     assert set(guarded[100:300]) == {0}  # the held veto
@@ -122,7 +109,7 @@ def test_the_guard_vetoes_speculation_whose_mixed_steps_cost_more_than_it_gains(
 def test_the_guard_keeps_speculation_that_pays() -> None:
     """The same decode steps with mixed steps costing 1.5 s speculating: 352 tokens in 4.5 s
     against 256 in 4 s. The switch speculates on all but the probes' plain steps."""
-    guarded = _drive(AdaptiveSpec(1, _stats(), _Cheap(), guard=RealizedGuard()), 800,
+    guarded = _drive(AdaptiveSpec(1, _stats(), ExpensiveFrom(1 << 30), guard=RealizedGuard()), 800,
                      spec_mixed_seconds=1.5)
     decode = [k for i, k in enumerate(guarded) if i % 4 != 3]
     assert sum(k == 0 for k in decode) < 100  # two plain windows of 48 steps, at most
@@ -136,7 +123,6 @@ def test_an_engine_speculates_after_its_plain_window_with_the_tokens_of_none(
     guard: the first 48 committed steps of its bucket are plain, the plan after the 48th
     commit (plan(t + 2) follows commit(t)) may speculate, and the greedy tokens are those of
     the engine without speculation, pipelined and blocking alike."""
-    from tests.test_spec_adaptive import ExpensiveFrom
     from tests.test_spec_engine import _llm, _prompts
 
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
